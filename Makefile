@@ -1,0 +1,41 @@
+# Development entry points. `make test` builds .venv on first use; later runs reuse it until
+# pyproject.toml changes.
+
+VENV ?= .venv
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+TORCH_VERSION ?= 2.13.0
+# Extra pip arguments for torch alone, e.g. --index-url https://download.pytorch.org/whl/cpu
+TORCH_PIP_ARGS ?=
+PYTEST_ARGS ?=
+
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.s3ckpt-installed
+
+.PHONY: venv test lint demo bench clean
+
+venv: $(STAMP)
+
+# torch goes in first and pinned: otherwise `torch>=2.6` lets pip pick whatever is newest.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install $(TORCH_PIP_ARGS) torch==$(TORCH_VERSION)
+	$(PY) -m pip install -e '.[test]'
+	touch $@
+
+test: venv
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+demo: venv
+	$(PY) -m s3ckpt.demo
+
+bench: venv
+	$(PY) -m benchmarks.bench_core
+
+# Leaves $(VENV) alone: rebuilding it takes minutes; delete it by hand to start over.
+clean:
+	rm -rf build .pytest_cache .ruff_cache .mypy_cache *.egg-info
+	find . -path './.*' -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,45 @@
+"""s3ckpt: torch.distributed.checkpoint storage on S3-compatible object stores.
+
+fut = dcp.async_save(state_dict, storage_writer=S3Writer("bucket", prefix="run7/step-1000"))
+dcp.load(state_dict, storage_reader=S3Reader("bucket", prefix="run7/step-1000"))
+"""
+
+from .config import S3Config
+from .errors import (
+    AccessDenied,
+    BucketNotFound,
+    CheckpointError,
+    CheckpointExists,
+    CheckpointNotFound,
+    ConfigError,
+    EndpointUnreachable,
+    IncompleteCheckpoint,
+    MetadataError,
+    ObjectNotFound,
+    PreconditionFailed,
+    S3CkptError,
+    StorageError,
+)
+from .reader import S3Reader
+from .writer import S3Writer
+
+__all__ = [
+    "AccessDenied",
+    "BucketNotFound",
+    "CheckpointError",
+    "CheckpointExists",
+    "CheckpointNotFound",
+    "ConfigError",
+    "EndpointUnreachable",
+    "IncompleteCheckpoint",
+    "MetadataError",
+    "ObjectNotFound",
+    "PreconditionFailed",
+    "S3CkptError",
+    "S3Config",
+    "S3Reader",
+    "S3Writer",
+    "StorageError",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,167 @@
+"""aiobotocore clients on the private loop, and the one place botocore errors become ours."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import ssl
+from contextlib import AsyncExitStack
+from typing import Any
+
+import aiohttp
+import botocore.exceptions
+from aiobotocore.config import AioConfig
+from aiobotocore.session import get_session
+
+from . import bridge
+from .config import ResolvedConfig
+from .errors import (
+    AccessDenied,
+    BucketNotFound,
+    EndpointUnreachable,
+    ObjectNotFound,
+    PreconditionFailed,
+    StorageError,
+)
+
+__all__ = ["ClientHolder", "map_error"]
+
+_ACCESS_CODES = {
+    "AccessDenied",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "ExpiredToken",
+    "InvalidToken",
+    "TokenRefreshRequired",
+    "AllAccessDisabled",
+    "403",
+}
+_UNREACHABLE = (
+    botocore.exceptions.EndpointConnectionError,
+    botocore.exceptions.ConnectTimeoutError,
+    botocore.exceptions.ReadTimeoutError,
+    botocore.exceptions.ConnectionClosedError,
+    aiohttp.ClientConnectionError,
+    asyncio.TimeoutError,
+)
+
+
+class ClientHolder:
+    """One lazily created S3 client per resolved configuration, closed at interpreter exit."""
+
+    def __init__(self, resolved: ResolvedConfig) -> None:
+        self.resolved = resolved
+        self._client: Any = None
+        self._lock: asyncio.Lock | None = None
+        self._stack = AsyncExitStack()
+
+    async def get(self) -> Any:
+        if self._client is not None:
+            return self._client
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if self._client is None:
+                session = get_session()
+                if self.resolved.profile:
+                    session.set_config_variable("profile", self.resolved.profile)
+                config = AioConfig(**self.resolved.botocore_options())
+                creator = session.create_client(
+                    "s3", config=config, **self.resolved.client_kwargs()
+                )
+                client = await self._stack.enter_async_context(creator)
+                client.meta.events.register("before-call.s3.DeleteObjects", _add_content_md5)
+                bridge.on_shutdown(self._stack.aclose)
+                self._client = client
+        return self._client
+
+
+def _add_content_md5(params: dict[str, Any], **_: Any) -> None:
+    # Several S3 implementations still insist on Content-MD5 for DeleteObjects.
+    body = params["body"]
+    if isinstance(body, bytes | bytearray):
+        digest = hashlib.md5(body, usedforsecurity=False).digest()
+        params["headers"]["Content-MD5"] = base64.b64encode(digest).decode()
+
+
+def map_error(
+    exc: BaseException, *, endpoint: str, bucket: str, key: str | None, operation: str
+) -> StorageError:
+    """Translate a botocore/aiohttp failure into the most specific s3ckpt error.
+
+    The message names operation, ``s3://bucket/key``, endpoint and cause; never credentials.
+    """
+    if isinstance(exc, StorageError):
+        return exc
+    where = f"s3://{bucket}/{key}" if key else f"s3://{bucket}"
+    context = {"endpoint": endpoint, "bucket": bucket, "key": key, "operation": operation}
+    if isinstance(exc, botocore.exceptions.ClientError):
+        error = exc.response.get("Error", {})
+        code = str(error.get("Code") or "")
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        detail = error.get("Message") or code or "no error message"
+        message = (
+            f"{operation} {where} at {endpoint} failed: {code or 'HTTP ' + str(status)} ({detail})"
+        )
+        context.update(code=code, status=status)
+        if code == "NoSuchBucket" or (status == 404 and key is None):
+            return BucketNotFound(
+                f"bucket {bucket!r} does not exist at {endpoint} ({operation} {where})", **context
+            )
+        if code in ("NoSuchKey", "NotFound") or (status == 404 and key is not None):
+            return ObjectNotFound(message, **context)
+        if code in _ACCESS_CODES or status == 403:
+            return AccessDenied(
+                message + "; check the credentials and the bucket policy", **context
+            )
+        if code in ("PreconditionFailed", "ConditionalRequestConflict") or status == 412:
+            return PreconditionFailed(message, **context)
+        return StorageError(message, **context)
+    if isinstance(
+        exc, botocore.exceptions.NoCredentialsError | botocore.exceptions.PartialCredentialsError
+    ):
+        return AccessDenied(
+            f"{operation} {where} at {endpoint}: no AWS credentials found (set AWS_ACCESS_KEY_ID/"
+            "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or pass them in S3Config)",
+            code=type(exc).__name__,
+            status=None,
+            **context,
+        )
+    if isinstance(exc, botocore.exceptions.SSLError | ssl.SSLError) or _is_tls(exc):
+        return EndpointUnreachable(
+            f"{operation} {where}: TLS verification with {endpoint} failed ({_cause(exc)}); "
+            "set S3Config(ca_bundle=...) or AWS_CA_BUNDLE to the CA that signed its certificate",
+            code="SSLError",
+            status=None,
+            **context,
+        )
+    if isinstance(exc, _UNREACHABLE):
+        return EndpointUnreachable(
+            f"{operation} {where}: cannot reach {endpoint} ({_cause(exc)})",
+            code=type(exc).__name__,
+            status=None,
+            **context,
+        )
+    return StorageError(
+        f"{operation} {where} at {endpoint} failed: {_cause(exc)}",
+        code=type(exc).__name__,
+        status=None,
+        **context,
+    )
+
+
+def _is_tls(exc: BaseException) -> bool:
+    seen: BaseException | None = exc
+    for _ in range(8):  # cause chains are short; never loop on a cycle
+        if seen is None:
+            return False
+        if isinstance(seen, ssl.SSLError | aiohttp.ClientSSLError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _cause(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {text}" if type(exc).__name__ not in text else text

@@ -1,0 +1,200 @@
+"""Connection settings shared by the writer, the reader and the tools.
+
+`S3Config` holds what the caller chose; anything left as ``None`` comes from the standard AWS
+sources when a connection is made (`S3Config.resolve`), so a config pickled into a PROCESS-mode
+checkpointer resolves in the process that does the I/O. Precedence, highest first:
+
+===============  =============================================================================
+endpoint         argument, ``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, profile ``endpoint_url``
+region           argument, ``AWS_REGION``, ``AWS_DEFAULT_REGION``, profile ``region``, us-east-1
+credentials      arguments, then botocore's chain (``AWS_ACCESS_KEY_ID`` …, profile, IMDS, …)
+profile          argument, ``AWS_PROFILE`` / ``AWS_DEFAULT_PROFILE``
+TLS              ``verify=False`` disables; else argument ``ca_bundle``, ``AWS_CA_BUNDLE``, profile
+                 ``ca_bundle``, system trust store
+addressing       ``path`` when an endpoint is configured (what on-premise stores expect), else
+                 ``virtual``; set ``addressing_style`` to force one
+===============  =============================================================================
+
+Checksums are never left to botocore's defaults (which add a CRC32 to every request and break
+several S3-compatible stores): botocore only computes what an operation strictly requires.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import botocore.exceptions
+import botocore.session
+
+from .errors import ConfigError
+
+__all__ = ["MiB", "ResolvedConfig", "S3Config", "parse_s3_url"]
+
+MiB = 1024 * 1024
+_MIN_PART = 5 * MiB  # S3's minimum for every part but the last
+_MAX_PART = 5 * 1024 * MiB
+_ADDRESSING = ("auto", "path", "virtual")
+
+
+@dataclass(frozen=True)
+class S3Config:
+    """How to reach the object store, and how hard to push it.
+
+    ``part_size x max_concurrency`` bounds the bytes held by in-flight requests per process.
+    """
+
+    endpoint_url: str | None = None
+    region: str | None = None
+    profile: str | None = None
+    access_key_id: str | None = field(default=None, repr=False)
+    secret_access_key: str | None = field(default=None, repr=False)
+    session_token: str | None = field(default=None, repr=False)
+    addressing_style: Literal["auto", "path", "virtual"] = "auto"
+    verify: bool = True
+    ca_bundle: str | None = None
+    connect_timeout: float = 5.0
+    read_timeout: float = 60.0
+    max_attempts: int = 4
+    part_size: int = 16 * MiB
+    multipart_threshold: int = 16 * MiB
+    max_concurrency: int = 16
+
+    def __post_init__(self) -> None:
+        if self.addressing_style not in _ADDRESSING:
+            raise ConfigError(
+                f"addressing_style must be one of {_ADDRESSING}, got {self.addressing_style!r}"
+            )
+        if not _MIN_PART <= self.part_size <= _MAX_PART:
+            raise ConfigError(
+                f"part_size must be between 5 MiB and 5 GiB, got {self.part_size} bytes"
+            )
+        if self.multipart_threshold < 0:
+            raise ConfigError(f"multipart_threshold must be >= 0, got {self.multipart_threshold}")
+        if self.max_concurrency < 1:
+            raise ConfigError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        if self.max_attempts < 1:
+            raise ConfigError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.connect_timeout <= 0 or self.read_timeout <= 0:
+            raise ConfigError("connect_timeout and read_timeout must be > 0 seconds")
+        if (self.access_key_id is None) != (self.secret_access_key is None):
+            raise ConfigError("access_key_id and secret_access_key must be given together")
+        if self.endpoint_url is not None and not self.endpoint_url.startswith(
+            ("http://", "https://")
+        ):
+            raise ConfigError(
+                f"endpoint_url must start with http:// or https://, got {self.endpoint_url!r}"
+            )
+
+    def resolve(self, environ: dict[str, str] | None = None) -> ResolvedConfig:
+        """Fill the gaps from the environment and the AWS config files, as the table above says."""
+        env = os.environ if environ is None else environ
+        profile = self.profile or env.get("AWS_PROFILE") or env.get("AWS_DEFAULT_PROFILE")
+        scoped = _profile_settings(profile)
+        ignore_configured = env.get("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "").lower() == "true"
+        endpoint = self.endpoint_url
+        if endpoint is None and not ignore_configured:
+            endpoint = (
+                env.get("AWS_ENDPOINT_URL_S3")
+                or env.get("AWS_ENDPOINT_URL")
+                or _profile_endpoint(scoped)
+            )
+        region = (
+            self.region
+            or env.get("AWS_REGION")
+            or env.get("AWS_DEFAULT_REGION")
+            or scoped.get("region")
+            or "us-east-1"
+        )
+        style = self.addressing_style
+        if style == "auto":
+            style = "path" if endpoint else "virtual"
+        verify: bool | str = False
+        if self.verify:
+            verify = self.ca_bundle or env.get("AWS_CA_BUNDLE") or scoped.get("ca_bundle") or True
+        if isinstance(verify, str) and not os.path.isfile(verify):
+            raise ConfigError(f"CA bundle {verify!r} does not exist or is not a file")
+        return ResolvedConfig(
+            config=self,
+            endpoint_url=endpoint.rstrip("/") if endpoint else None,
+            region=region,
+            profile=profile,
+            addressing_style=style,
+            verify=verify,
+        )
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """An `S3Config` with every source consulted; what a client is built from."""
+
+    config: S3Config
+    endpoint_url: str | None
+    region: str
+    profile: str | None
+    addressing_style: str
+    verify: bool | str
+
+    @property
+    def endpoint_name(self) -> str:
+        """The endpoint as error messages show it."""
+        return self.endpoint_url or f"AWS S3 ({self.region})"
+
+    def client_kwargs(self) -> dict[str, Any]:
+        """Arguments for ``session.create_client("s3", ...)``, except ``config``."""
+        c = self.config
+        kwargs: dict[str, Any] = {
+            "region_name": self.region,
+            "endpoint_url": self.endpoint_url,
+            "verify": self.verify,
+        }
+        if c.access_key_id is not None:
+            kwargs["aws_access_key_id"] = c.access_key_id
+            kwargs["aws_secret_access_key"] = c.secret_access_key
+            kwargs["aws_session_token"] = c.session_token
+        return kwargs
+
+    def botocore_options(self) -> dict[str, Any]:
+        """Keyword arguments for botocore's ``Config``: explicit checksums, timeouts, pool size."""
+        c = self.config
+        return {
+            "signature_version": "s3v4",
+            "s3": {"addressing_style": self.addressing_style, "payload_signing_enabled": False},
+            "connect_timeout": c.connect_timeout,
+            "read_timeout": c.read_timeout,
+            "retries": {"mode": "standard", "total_max_attempts": c.max_attempts},
+            "max_pool_connections": c.max_concurrency + 4,
+            "request_checksum_calculation": "when_required",
+            "response_checksum_validation": "when_required",
+            "tcp_keepalive": True,
+            # Only s3ckpt calls this client; no validation lets memoryview bodies through.
+            "parameter_validation": False,
+            "user_agent_extra": "s3ckpt",
+        }
+
+
+def _profile_settings(profile: str | None) -> dict[str, Any]:
+    session = botocore.session.Session(profile=profile)
+    try:
+        return dict(session.get_scoped_config())
+    except botocore.exceptions.ProfileNotFound as e:
+        raise ConfigError(f"AWS profile {profile!r} is not in the AWS config files") from e
+
+
+def _profile_endpoint(scoped: dict[str, Any]) -> str | None:
+    s3_section = scoped.get("s3")
+    if isinstance(s3_section, dict) and s3_section.get("endpoint_url"):
+        return str(s3_section["endpoint_url"])
+    endpoint = scoped.get("endpoint_url")
+    return str(endpoint) if endpoint else None
+
+
+def parse_s3_url(url: str) -> tuple[str, str]:
+    """``s3://bucket/a/b/`` -> ``("bucket", "a/b")``: no slashes at the prefix's ends."""
+    if not url.startswith("s3://"):
+        raise ConfigError(f"expected an s3://bucket/prefix URL, got {url!r}")
+    bucket, _, prefix = url[len("s3://") :].partition("/")
+    if not bucket:
+        raise ConfigError(f"no bucket in {url!r}")
+    return bucket, prefix.strip("/")

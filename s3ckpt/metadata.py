@@ -1,0 +1,667 @@
+"""The commit record ``.metadata``: DCP's ``Metadata`` plus where every item's bytes are, as JSON.
+
+It is JSON, never pickle, because loading a checkpoint from a bucket you do not fully trust must not
+run code. Writing this one object is what commits a checkpoint, so :func:`encode` refuses anything
+inconsistent (a chunk without a locator, a locator outside its object) rather than commit a record
+that cannot be loaded, and :func:`decode` checks every field so a truncated, garbled or hostile file
+ends in one clear :class:`~s3ckpt.errors.MetadataError` instead of a ``KeyError`` deep inside DCP.
+
+Layout (the file is compact UTF-8 with sorted keys; spaced out here for reading)::
+
+    {"format": "s3ckpt", "version": 1, "save_id": "...", "created": 1700000000.5,
+     "dcp_version": "1.0.0", "objects": {"data/0.bin": 4096}, "extra": {...},
+     "storage_meta": {"checkpoint_id": ..., "save_id": ..., "load_id": ..., "modules": []},
+     "planner_data": {"model.w": {"__tuple__": ["model", "w"]}, ...},
+     "state_dict": {
+        "model.w": {"type": "tensor", "dtype": "bfloat16", "size": [4, 3], "layout": "strided",
+                    "memory_format": "contiguous_format", "requires_grad": false,
+                    "pin_memory": false,
+                    "chunks": [{"offsets": [0, 0], "sizes": [4, 3],
+                                "locator": {"key": "data/0.bin", "offset": 0, "length": 24}}]},
+        "step": {"type": "bytes", "locator": {"key": "data/0.bin", "offset": 24, "length": 11}}}}
+
+``planner_data`` is plain JSON except that a Python tuple is written as ``{"__tuple__": [...]}``,
+so the default planners' ``{fqn: ("a", 0, "b")}`` paths come back as tuples, exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import math
+import os
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, NoReturn, TypeVar
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from .errors import MetadataError
+
+__all__ = ["FORMAT", "FORMAT_VERSION", "Checkpoint", "Locator", "decode", "encode"]
+
+FORMAT = "s3ckpt"
+FORMAT_VERSION = 1
+
+_TUPLE_TAG = "__tuple__"
+_MAX_INT = 2**63 - 1  # torch sizes and S3 byte offsets are int64; larger is garbage.
+_MAX_DEPTH = 64  # planner_data / extra nesting; deeper is almost surely a reference cycle.
+
+_T = TypeVar("_T")
+
+
+def _by_name(names: tuple[str, ...], kind: type[_T]) -> dict[str, _T]:
+    """Look up fixed names on ``torch``; names this torch lacks are skipped (float8 and friends)."""
+    table: dict[str, _T] = {}
+    for name in names:
+        value = getattr(torch, name, None)
+        if isinstance(value, kind):
+            table[name] = value
+    return table
+
+
+# Decoding maps names through these tables only: a name from the file is never looked up on torch.
+_DTYPES: dict[str, torch.dtype] = _by_name(
+    (
+        "float64",
+        "float32",
+        "float16",
+        "bfloat16",
+        "complex128",
+        "complex64",
+        "complex32",
+        "int64",
+        "int32",
+        "int16",
+        "int8",
+        "uint64",
+        "uint32",
+        "uint16",
+        "uint8",
+        "bool",
+        "float8_e4m3fn",
+        "float8_e4m3fnuz",
+        "float8_e5m2",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+        "float4_e2m1fn_x2",
+    ),
+    torch.dtype,
+)
+_LAYOUTS: dict[str, torch.layout] = _by_name(
+    ("strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc", "jagged"),
+    torch.layout,
+)
+# The three formats DCP's own (pickle) metadata can carry.
+_MEMORY_FORMATS: dict[str, torch.memory_format] = _by_name(
+    ("contiguous_format", "channels_last", "preserve_format"), torch.memory_format
+)
+_DTYPE_NAMES = {value: name for name, value in _DTYPES.items()}
+_LAYOUT_NAMES = {value: name for name, value in _LAYOUTS.items()}
+_MEMORY_FORMAT_NAMES = {value: name for name, value in _MEMORY_FORMATS.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class Locator:
+    """Where one item's bytes are: object key (relative to the checkpoint prefix), offset, length.
+
+    Kept next to each chunk / bytes entry in the record so the reader needs no other index.
+    """
+
+    key: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A decoded commit record.
+
+    ``metadata.storage_data`` is ``locators`` too, which is what DCP hands back to the storage
+    reader; ``objects`` lists every data object (key relative to the prefix -> size in bytes).
+    """
+
+    metadata: Metadata
+    locators: dict[MetadataIndex, Locator]
+    save_id: str
+    created: float
+    objects: dict[str, int]
+    extra: dict[str, Any]
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """A record for a large model is millions of small acyclic objects; letting the cyclic
+    collector rescan them while they are built doubles the time of encode and decode."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+class _Invalid(Exception):
+    """Internal: what is wrong and where; turned into a MetadataError at the API boundary."""
+
+
+def _fail(message: str) -> NoReturn:
+    raise _Invalid(message)
+
+
+def _show(value: Any) -> str:
+    """A short repr, so a hostile multi-megabyte field cannot flood the error message."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _path(where: str, name: str) -> str:
+    """Joined only when an error is raised: building paths eagerly doubles the cost of a decode."""
+    return f"{where}.{name}" if where and name else where or name
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _MAX_INT
+
+
+def _all_counts(values: list[Any]) -> bool:
+    """The fast path for offsets and sizes; exact ``int`` also rules out ``bool``."""
+    return all(type(v) is int and 0 <= v <= _MAX_INT for v in values)
+
+
+def _is_valid_key(key: Any) -> bool:
+    """Relative object keys only: the reader joins them to the prefix, so no escaping it."""
+    return (
+        isinstance(key, str)
+        and "\x00" not in key
+        and all(part not in ("", ".", "..") for part in key.split("/"))
+    )
+
+
+def _check_locator(
+    locator: Locator, objects: Mapping[str, int], where: str, name: str = ""
+) -> None:
+    """``objects`` holds only validated keys, so being listed there proves the key is sane."""
+    size = objects.get(locator.key) if isinstance(locator.key, str) else None
+    if size is None:
+        if not _is_valid_key(locator.key):
+            _fail(f"{_path(where, name)}: key {_show(locator.key)} is not a relative object key")
+        _fail(f"{_path(where, name)}: object {locator.key!r} is not listed in objects")
+    if not _is_count(locator.offset) or not _is_count(locator.length):
+        _fail(f"{_path(where, name)}: offset and length must be non-negative ints, got {locator!r}")
+    end = locator.offset + locator.length
+    if end > size:
+        _fail(
+            f"{_path(where, name)}: bytes {locator.offset}..{end} lie outside "
+            f"object {locator.key!r} of {size} bytes"
+        )
+
+
+# --------------------------------------------------------------------------------------- encode
+
+
+def encode(
+    metadata: Metadata,
+    locators: Mapping[MetadataIndex, Locator],
+    *,
+    save_id: str,
+    created: float,
+    objects: Mapping[str, int],
+    extra: Mapping[str, Any] | None = None,
+) -> bytes:
+    """Serialize a commit record; raises MetadataError rather than commit one that cannot load.
+
+    ``locators`` must hold exactly one entry per tensor chunk and bytes item of ``metadata``;
+    ``metadata.storage_data`` is ignored (the locators are the storage data).
+    """
+    try:
+        with _gc_paused():
+            record = _encode_record(metadata, locators, save_id, created, objects, extra)
+            text = json.dumps(
+                record, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+            )
+            return text.encode("utf-8")
+    except _Invalid as exc:
+        raise MetadataError(f"cannot encode checkpoint metadata: {exc}", url=None) from None
+    except UnicodeEncodeError as exc:  # a lone surrogate in some name
+        raise MetadataError(f"cannot encode checkpoint metadata: {exc}", url=None) from None
+
+
+def _encode_record(
+    metadata: Metadata,
+    locators: Mapping[MetadataIndex, Locator],
+    save_id: str,
+    created: float,
+    objects: Mapping[str, int],
+    extra: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    if not isinstance(metadata, Metadata):
+        _fail(f"metadata: expected a DCP Metadata, got {type(metadata).__name__}")
+    if not isinstance(save_id, str):
+        _fail(f"save_id: expected a str, got {_show(save_id)}")
+    if (
+        not isinstance(created, (int, float))
+        or isinstance(created, bool)
+        or not math.isfinite(created)
+    ):
+        _fail(f"created: expected a finite unix time, got {_show(created)}")
+    if metadata.version is not None and not isinstance(metadata.version, str):
+        _fail(f"metadata.version: expected a str or None, got {_show(metadata.version)}")
+    if not isinstance(metadata.state_dict_metadata, Mapping):
+        _fail("metadata.state_dict_metadata: expected a dict")
+
+    object_sizes: dict[str, int] = {}
+    for key, size in objects.items():
+        if not _is_valid_key(key):
+            _fail(f"objects: {_show(key)} is not a relative object key")
+        if not _is_count(size):
+            _fail(f"objects[{key!r}]: expected a size in bytes, got {_show(size)}")
+        object_sizes[key] = size
+
+    used: set[MetadataIndex] = set()
+
+    def locate(index: MetadataIndex, where: str) -> dict[str, Any]:
+        locator = locators.get(index)
+        if locator is None:
+            _fail(f"{where}: no locator for this item (every chunk and bytes item needs one)")
+        if not isinstance(locator, Locator):
+            _fail(f"{where}: expected a Locator, got {type(locator).__name__}")
+        _check_locator(locator, object_sizes, where)
+        used.add(index)
+        return {"key": locator.key, "offset": locator.offset, "length": locator.length}
+
+    state_dict: dict[str, Any] = {}
+    for fqn, item in metadata.state_dict_metadata.items():
+        where = f"state_dict[{fqn!r}]"
+        if not isinstance(fqn, str):
+            _fail(f"{where}: fqn must be a str")
+        if isinstance(item, TensorStorageMetadata):
+            state_dict[fqn] = _encode_tensor(fqn, item, locate, where)
+        elif isinstance(item, BytesStorageMetadata):
+            state_dict[fqn] = {"type": "bytes", "locator": locate(MetadataIndex(fqn), where)}
+        else:
+            _fail(f"{where}: unsupported storage metadata {type(item).__name__}")
+
+    unused = [index for index in locators if index not in used]
+    if unused:
+        shown = ", ".join(f"({i.fqn!r}, {_show(i.offset)})" for i in unused[:3])
+        _fail(f"{len(unused)} locator(s) match no item in the metadata, e.g. {shown}")
+
+    return {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "save_id": save_id,
+        "created": float(created),
+        "dcp_version": metadata.version,
+        "objects": object_sizes,
+        "extra": _to_json(dict(extra or {}), "extra", tag_tuples=False, depth=0),
+        "storage_meta": _encode_storage_meta(metadata.storage_meta),
+        "planner_data": _to_json(metadata.planner_data, "planner_data", tag_tuples=True, depth=0),
+        "state_dict": state_dict,
+    }
+
+
+def _encode_tensor(
+    fqn: str,
+    item: TensorStorageMetadata,
+    locate: Callable[[MetadataIndex, str], dict[str, Any]],
+    where: str,
+) -> dict[str, Any]:
+    props = item.properties
+    dtype = _DTYPE_NAMES.get(props.dtype)
+    if dtype is None:
+        _fail(f"{where}: dtype {props.dtype} is not supported")
+    layout = _LAYOUT_NAMES.get(props.layout)
+    if layout is None:
+        _fail(f"{where}: layout {props.layout} is not supported")
+    memory_format = _MEMORY_FORMAT_NAMES.get(props.memory_format)
+    if memory_format is None:
+        _fail(f"{where}: memory format {props.memory_format} is not supported")
+    size = _encode_counts(item.size, where, "size")
+    chunks: list[dict[str, Any]] = []
+    seen: set[tuple[int, ...]] = set()
+    for position, chunk in enumerate(item.chunks):
+        at = f"{where}.chunks[{position}]"
+        offsets = _encode_counts(chunk.offsets, at, "offsets")
+        sizes = _encode_counts(chunk.sizes, at, "sizes")
+        _check_chunk(offsets, sizes, size, at)
+        if tuple(offsets) in seen:
+            _fail(f"{at}: two chunks start at offsets {offsets}")
+        seen.add(tuple(offsets))
+        chunks.append(
+            {"offsets": offsets, "sizes": sizes, "locator": locate(MetadataIndex(fqn, offsets), at)}
+        )
+    return {
+        "type": "tensor",
+        "dtype": dtype,
+        "size": size,
+        "layout": layout,
+        "memory_format": memory_format,
+        "requires_grad": bool(props.requires_grad),
+        "pin_memory": bool(props.pin_memory),
+        "chunks": chunks,
+    }
+
+
+def _encode_counts(values: Any, where: str, name: str) -> list[int]:
+    try:
+        counts = list(values)
+    except TypeError:
+        _fail(f"{_path(where, name)}: expected a sequence of ints, got {_show(values)}")
+    if _all_counts(counts):
+        return counts
+    if not all(_is_count(value) for value in counts):
+        _fail(f"{_path(where, name)}: expected non-negative ints, got {_show(values)}")
+    return [int(value) for value in counts]
+
+
+def _check_chunk(offsets: list[int], sizes: list[int], size: list[int], where: str) -> None:
+    if len(offsets) != len(size) or len(sizes) != len(size):
+        _fail(f"{where}: offsets {offsets} and sizes {sizes} do not match tensor size {size}")
+    if any(o + s > n for o, s, n in zip(offsets, sizes, size, strict=True)):
+        _fail(f"{where}: offsets {offsets} + sizes {sizes} exceed tensor size {size}")
+
+
+def _encode_storage_meta(meta: StorageMeta | None) -> dict[str, Any] | None:
+    if meta is None:
+        return None
+    if not isinstance(meta, StorageMeta):
+        _fail(f"storage_meta: expected a StorageMeta, got {type(meta).__name__}")
+    checkpoint_id = meta.checkpoint_id
+    if checkpoint_id is not None:
+        try:
+            checkpoint_id = os.fsdecode(checkpoint_id)
+        except TypeError:
+            _fail(f"storage_meta.checkpoint_id: expected a str or path, got {_show(checkpoint_id)}")
+    for name in ("save_id", "load_id"):
+        value = getattr(meta, name)
+        if value is not None and not isinstance(value, str):
+            _fail(f"storage_meta.{name}: expected a str or None, got {_show(value)}")
+    modules = list(meta.modules or [])
+    if not all(isinstance(module, str) for module in modules):
+        _fail(f"storage_meta.modules: expected a list of str, got {_show(meta.modules)}")
+    return {
+        "checkpoint_id": checkpoint_id,
+        "save_id": meta.save_id,
+        "load_id": meta.load_id,
+        "modules": modules,
+    }
+
+
+def _to_json(value: Any, where: str, *, tag_tuples: bool, depth: int) -> Any:
+    """Copy ``value`` as plain JSON data; tuples become tagged objects when ``tag_tuples``."""
+    if depth > _MAX_DEPTH:
+        _fail(f"{where}: nested more than {_MAX_DEPTH} deep (a reference cycle?)")
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            _fail(f"{where}: {value} cannot be stored in JSON")
+        return float(value)
+    if isinstance(value, (list, tuple)):
+        items = [
+            _to_json(v, f"{where}[{i}]", tag_tuples=tag_tuples, depth=depth + 1)
+            for i, v in enumerate(value)
+        ]
+        return {_TUPLE_TAG: items} if tag_tuples and isinstance(value, tuple) else items
+    if isinstance(value, Mapping):
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            if not isinstance(key, str):
+                _fail(f"{where}: key {_show(key)} is not a str (JSON keys must be)")
+            out[key] = _to_json(item, f"{where}[{key!r}]", tag_tuples=tag_tuples, depth=depth + 1)
+        if tag_tuples and list(out) == [_TUPLE_TAG]:
+            _fail(f"{where}: a dict with the single key {_TUPLE_TAG!r} would read back as a tuple")
+        return out
+    _fail(f"{where}: {type(value).__name__} value {_show(value)} cannot be stored in JSON")
+
+
+# --------------------------------------------------------------------------------------- decode
+
+
+def decode(data: bytes, *, url: str) -> Checkpoint:
+    """Parse and validate a commit record; any defect is a MetadataError naming ``url`` and why."""
+    try:
+        with _gc_paused():
+            return _decode_record(data)
+    except _Invalid as exc:
+        raise MetadataError(f"{url}: {exc}", url=url) from None
+    except RecursionError:
+        raise MetadataError(f"{url}: commit record is nested too deeply", url=url) from None
+
+
+def _reject_constant(name: str) -> NoReturn:
+    _fail(f"not strict JSON: {name} is not a JSON number")
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                _fail(f"not a valid commit record: key {_show(key)} appears twice in one object")
+            seen.add(key)
+    return out
+
+
+def _decode_record(data: bytes) -> Checkpoint:
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        _fail(f"commit record must be bytes, got {type(data).__name__}")
+    if bytes(data[:1]) == b"\x80":
+        _fail(
+            "this is a pickle (e.g. torch's FileSystemWriter .metadata), not an s3ckpt commit "
+            "record; s3ckpt never unpickles"
+        )
+    try:
+        text = str(data, "utf-8")
+    except UnicodeDecodeError as exc:
+        _fail(f"commit record is not UTF-8 text (garbled?): {exc}")
+    try:
+        root = json.loads(text, object_pairs_hook=_unique_pairs, parse_constant=_reject_constant)
+    except json.JSONDecodeError as exc:
+        _fail(f"commit record is not valid JSON (truncated or garbled?): {exc}")
+
+    record = _dict(root, "commit record")
+    fmt = record.get("format")
+    if fmt != FORMAT:
+        _fail(f"not an s3ckpt commit record (format is {_show(fmt)}, expected {FORMAT!r})")
+    version = _field(record, "version", "commit record")
+    if not _is_count(version) or version < 1:
+        _fail(f"version: expected a positive int, got {_show(version)}")
+    if version > FORMAT_VERSION:
+        _fail(
+            f"written by a newer s3ckpt (format version {version}; this s3ckpt reads up to "
+            f"{FORMAT_VERSION}); upgrade s3ckpt"
+        )
+
+    save_id = _str(_field(record, "save_id", ""), "save_id")
+    created = _field(record, "created", "")
+    if (
+        not isinstance(created, (int, float))
+        or isinstance(created, bool)
+        or not math.isfinite(created)
+    ):
+        _fail(f"created: expected a unix time, got {_show(created)}")
+    dcp_version = _opt_str(_field(record, "dcp_version", ""), "dcp_version")
+
+    objects: dict[str, int] = {}
+    for key, size in _dict(_field(record, "objects", ""), "objects").items():
+        if not _is_valid_key(key):
+            _fail(f"objects: {_show(key)} is not a relative object key")
+        objects[key] = _count(size, f"objects[{key!r}]")
+
+    extra = _dict(_field(record, "extra", ""), "extra")
+    storage_meta = _decode_storage_meta(_field(record, "storage_meta", ""))
+    planner_data = _from_json(_field(record, "planner_data", ""), "planner_data")
+
+    locators: dict[MetadataIndex, Locator] = {}
+    state_dict: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+    for fqn, entry in _dict(_field(record, "state_dict", ""), "state_dict").items():
+        where = f"state_dict[{fqn!r}]"
+        entry = _dict(entry, where)
+        kind = _field(entry, "type", where)
+        if kind == "bytes":
+            locators[MetadataIndex(fqn)] = _decode_locator(entry, objects, where)
+            state_dict[fqn] = BytesStorageMetadata()
+        elif kind == "tensor":
+            state_dict[fqn] = _decode_tensor(fqn, entry, objects, locators, where)
+        else:
+            _fail(f"{where}.type: expected 'tensor' or 'bytes', got {_show(kind)}")
+
+    metadata = Metadata(
+        state_dict_metadata=state_dict,
+        planner_data=planner_data,
+        storage_data=locators,
+        storage_meta=storage_meta,
+        version=dcp_version,
+    )
+    return Checkpoint(
+        metadata=metadata,
+        locators=locators,
+        save_id=save_id,
+        created=float(created),
+        objects=objects,
+        extra=extra,
+    )
+
+
+def _decode_tensor(
+    fqn: str,
+    entry: dict[str, Any],
+    objects: Mapping[str, int],
+    locators: dict[MetadataIndex, Locator],
+    where: str,
+) -> TensorStorageMetadata:
+    properties = TensorProperties(
+        dtype=_lookup(_DTYPES, _field(entry, "dtype", where), where, "dtype"),
+        layout=_lookup(_LAYOUTS, _field(entry, "layout", where), where, "layout"),
+        requires_grad=_bool(_field(entry, "requires_grad", where), where, "requires_grad"),
+        memory_format=_lookup(
+            _MEMORY_FORMATS, _field(entry, "memory_format", where), where, "memory_format"
+        ),
+        pin_memory=_bool(_field(entry, "pin_memory", where), where, "pin_memory"),
+    )
+    size = _counts(_field(entry, "size", where), where, "size")
+    chunks: list[ChunkStorageMetadata] = []
+    for position, chunk in enumerate(_list(_field(entry, "chunks", where), where, "chunks")):
+        at = f"{where}.chunks[{position}]"
+        chunk = _dict(chunk, at)
+        offsets = _counts(_field(chunk, "offsets", at), at, "offsets")
+        sizes = _counts(_field(chunk, "sizes", at), at, "sizes")
+        _check_chunk(offsets, sizes, size, at)
+        index = MetadataIndex(fqn, offsets, position)
+        if index in locators:
+            _fail(f"{at}: two chunks start at offsets {offsets}")
+        locators[index] = _decode_locator(chunk, objects, at)
+        chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
+    return TensorStorageMetadata(properties=properties, size=torch.Size(size), chunks=chunks)
+
+
+def _decode_locator(entry: dict[str, Any], objects: Mapping[str, int], where: str) -> Locator:
+    raw = _dict(_field(entry, "locator", where), where, "locator")
+    if "key" not in raw or "offset" not in raw or "length" not in raw:
+        _fail(f"{where}.locator: expected key, offset and length, got {_show(raw)}")
+    locator = Locator(raw["key"], raw["offset"], raw["length"])
+    if type(locator.offset) is not int or type(locator.length) is not int:  # bool, float, str
+        _count(locator.offset, _path(where, "locator"), "offset")
+        _count(locator.length, _path(where, "locator"), "length")
+    _check_locator(locator, objects, where, "locator")
+    return locator
+
+
+def _decode_storage_meta(value: Any) -> StorageMeta | None:
+    if value is None:
+        return None
+    raw = _dict(value, "storage_meta")
+    modules = _list(_field(raw, "modules", "storage_meta"), "storage_meta", "modules")
+    return StorageMeta(
+        checkpoint_id=_opt_str(
+            _field(raw, "checkpoint_id", "storage_meta"), "storage_meta.checkpoint_id"
+        ),
+        save_id=_opt_str(_field(raw, "save_id", "storage_meta"), "storage_meta.save_id"),
+        load_id=_opt_str(_field(raw, "load_id", "storage_meta"), "storage_meta.load_id"),
+        modules=[_str(module, f"storage_meta.modules[{i}]") for i, module in enumerate(modules)],
+    )
+
+
+def _from_json(value: Any, where: str) -> Any:
+    """Undo :func:`_to_json` with ``tag_tuples``: tagged objects become tuples again."""
+    if isinstance(value, list):
+        return [_from_json(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        if list(value) == [_TUPLE_TAG]:
+            items = _list(value[_TUPLE_TAG], where, _TUPLE_TAG)
+            return tuple(_from_json(v, f"{where}[{i}]") for i, v in enumerate(items))
+        return {k: _from_json(v, f"{where}[{k!r}]") for k, v in value.items()}
+    return value
+
+
+def _field(obj: dict[str, Any], name: str, where: str) -> Any:
+    if name not in obj:
+        _fail(f"{where + ': ' if where else ''}missing field {name!r}")
+    return obj[name]
+
+
+def _dict(value: Any, where: str, name: str = "") -> dict[str, Any]:
+    if type(value) is not dict:
+        _fail(f"{_path(where, name)}: expected a JSON object, got {_show(value)}")
+    return value
+
+
+def _list(value: Any, where: str, name: str = "") -> list[Any]:
+    if type(value) is not list:
+        _fail(f"{_path(where, name)}: expected a JSON list, got {_show(value)}")
+    return value
+
+
+def _str(value: Any, where: str, name: str = "") -> str:
+    if type(value) is not str:
+        _fail(f"{_path(where, name)}: expected a string, got {_show(value)}")
+    return value
+
+
+def _opt_str(value: Any, where: str, name: str = "") -> str | None:
+    return None if value is None else _str(value, where, name)
+
+
+def _bool(value: Any, where: str, name: str = "") -> bool:
+    if type(value) is not bool:
+        _fail(f"{_path(where, name)}: expected true or false, got {_show(value)}")
+    return value
+
+
+def _count(value: Any, where: str, name: str = "") -> int:
+    if not _is_count(value):
+        _fail(f"{_path(where, name)}: expected a non-negative int, got {_show(value)}")
+    return int(value)
+
+
+def _counts(value: Any, where: str, name: str = "") -> list[int]:
+    values = _list(value, where, name)
+    if not _all_counts(values):
+        path = _path(where, name)
+        for i, v in enumerate(values):
+            _count(v, f"{path}[{i}]")
+    return values
+
+
+def _lookup(table: Mapping[str, _T], value: Any, where: str, name: str = "") -> _T:
+    found = table.get(value) if isinstance(value, str) else None
+    if found is None:
+        known = ", ".join(table)
+        _fail(f"{_path(where, name)}: unsupported value {_show(value)} (known: {known})")
+    return found

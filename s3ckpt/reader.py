@@ -1,0 +1,242 @@
+"""`S3Reader`: DCP's StorageReader for checkpoints written by `S3Writer`.
+
+DCP calls, on every rank: ``read_metadata`` (one GET of ``.metadata``, decoded from JSON),
+``set_up_storage_reader``, ``prepare_local_plan``; then ``prepare_global_plan`` on the coordinator;
+then ``read_data`` on every rank. ``read_data`` maps each read item to the byte range that covers
+it in its object (a resharded sub-rectangle becomes the covering rows, split to bound memory),
+merges nearby ranges and fetches them with concurrent ranged GETs. Bytes land straight in the
+destination tensor when it is a contiguous CPU tensor of the stored dtype and the range is exact;
+otherwise they pass through a bounded buffer and a copy (which also moves them to an accelerator).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from . import bridge, ranges
+from .config import MiB, S3Config
+from .errors import CheckpointNotFound, IncompleteCheckpoint, MetadataError, ObjectNotFound
+from .layout import Location
+from .metadata import Checkpoint, Locator, decode
+from .readplan import Fetch, Target, deliver, plan_fetches
+from .tensorbytes import memory_of
+from .transfer import Transfer, gather_or_cancel, get_transfer
+
+__all__ = ["S3Reader"]
+
+
+class S3Reader(StorageReader):
+    """Load a DCP checkpoint from ``s3://bucket/prefix``.
+
+    Args:
+        bucket: bucket name, or a whole ``s3://bucket/prefix`` URL.
+        prefix: key prefix of the checkpoint; ``checkpoint_id`` overrides it.
+        config: connection settings; default `S3Config()` reads the standard AWS sources.
+        max_gap: ranges in one object closer than this are fetched with one GET.
+    """
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        config: S3Config | None = None,
+        max_gap: int = 1 * MiB,
+    ) -> None:
+        super().__init__()
+        self.location = Location.of(bucket, prefix)
+        self.config = config or S3Config()
+        self.max_gap = max_gap
+        self.checkpoint: Checkpoint | None = None
+        self._chunks: dict[MetadataIndex, tuple[Locator, tuple[int, ...], torch.dtype]] = {}
+        self._locators: dict[MetadataIndex, Locator] = {}
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.location.url
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | Any) -> bool:
+        return isinstance(checkpoint_id, str) and checkpoint_id.startswith("s3://")
+
+    def reset(self, checkpoint_id: str | Any = None) -> None:
+        if checkpoint_id is not None:
+            self.location = self.location.moved_to(str(checkpoint_id))
+        self.checkpoint = None
+
+    def read_metadata(self) -> Metadata:
+        # No **kwargs: DCP would then call this a second time for "rank-local" metadata, which
+        # s3ckpt does not have. (torch 2.13's load re-raises a failure here as AssertionError.)
+        self.checkpoint = bridge.run(self._read_checkpoint())
+        return self.checkpoint.metadata
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, **kwargs: Any
+    ) -> None:
+        locators = metadata.storage_data
+        if not isinstance(locators, dict) or not all(
+            isinstance(v, Locator) for v in locators.values()
+        ):
+            raise MetadataError(
+                f"{self.checkpoint_id}: metadata was not written by s3ckpt (no object locations)",
+                url=self.location.metadata_url,
+            )
+        self._locators = locators
+        self._chunks = {}
+        for fqn, entry in metadata.state_dict_metadata.items():
+            if isinstance(entry, TensorStorageMetadata):
+                for chunk in entry.chunks:
+                    index = MetadataIndex(fqn, chunk.offsets)
+                    shape = tuple(chunk.sizes)
+                    self._chunks[index] = (locators[index], shape, entry.properties.dtype)
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        remaining: dict[int, int] = {}
+        finishers: dict[int, Callable[[], None]] = {}
+        targets: list[Target] = []
+        for number, item in enumerate(plan.items):
+            item_targets, finish = self._targets(number, item, planner)
+            targets.extend(item_targets)
+            remaining[number] = len(item_targets)
+            finishers[number] = finish
+        fetches = plan_fetches(targets, max_gap=self.max_gap, max_size=self.config.part_size)
+        return bridge.to_torch_future(
+            bridge.submit(self._fetch_all(fetches, remaining, finishers)), None
+        )
+
+    @property
+    def _transfer(self) -> Transfer:
+        return get_transfer(self.config)
+
+    async def _read_checkpoint(self) -> Checkpoint:
+        transfer, location = self._transfer, self.location
+        try:
+            raw = await transfer.get(location.bucket, location.metadata_key)
+        except ObjectNotFound:
+            found = await transfer.list(location.bucket, location.listing_prefix, limit=1)
+            if found:
+                raise IncompleteCheckpoint(
+                    f"{location.url} is incomplete: objects exist (e.g. s3://{location.bucket}/"
+                    f"{found[0][0]}) but no .metadata — a save failed, was killed, or is running",
+                    url=location.url,
+                ) from None
+            raise CheckpointNotFound(
+                f"no checkpoint at {location.url}: nothing is stored under this prefix",
+                url=location.url,
+            ) from None
+        return decode(raw, url=location.metadata_url)
+
+    def _targets(
+        self, number: int, item: ReadItem, planner: LoadPlanner
+    ) -> tuple[list[Target], Callable[[], None]]:
+        """The byte ranges one read item needs, and what to call once they have all arrived."""
+        if item.type == LoadItemType.BYTE_IO:
+            locator = self._locators[item.storage_index]
+            key = self.location.key(locator.key)
+
+            def load(data: memoryview) -> None:
+                planner.load_bytes(item, io.BytesIO(bytes(data)))
+
+            if locator.length == 0:
+                return [], lambda: load(memoryview(b""))
+            end = locator.offset + locator.length
+            return [Target(number, key, locator.offset, end, place=load)], lambda: None
+
+        locator, shape, dtype = self._chunks[item.storage_index]
+        key = self.location.key(locator.key)
+        offsets, lengths = tuple(item.storage_offsets), tuple(item.lengths)
+        dest = planner.resolve_tensor(item).detach()
+        if tuple(dest.shape) != lengths:
+            raise MetadataError(
+                f"{self.checkpoint_id}: {item.dest_index.fqn} expects shape {tuple(dest.shape)}, "
+                f"the checkpoint has {lengths}",
+                url=self.location.metadata_url,
+            )
+
+        def finish() -> None:
+            planner.commit_tensor(item, dest)
+
+        base, itemsize = locator.offset, dtype.itemsize
+        if (
+            dest.device.type == "cpu"
+            and dest.dtype == dtype
+            and dest.is_contiguous()
+            and ranges.is_exact(shape, offsets, lengths)
+        ):
+            start, end = ranges.covering_range(shape, offsets, lengths, itemsize)
+            if end == start:
+                return [], finish
+            target = Target(number, key, base + start, base + end, sink=memory_of(dest))
+            return [target], finish
+
+        targets = []
+        for piece_offsets, piece_lengths in ranges.split_rect(
+            shape, offsets, lengths, itemsize, self.config.part_size
+        ):
+            start, end = ranges.covering_range(shape, piece_offsets, piece_lengths, itemsize)
+            region = dest
+            for dim, (at, skip, n) in enumerate(
+                zip(piece_offsets, offsets, piece_lengths, strict=True)
+            ):
+                region = region.narrow(dim, at - skip, n)
+            place = _Placer(shape, piece_lengths, dtype, region)
+            targets.append(Target(number, key, base + start, base + end, place=place))
+        return targets, finish
+
+    async def _fetch_all(
+        self,
+        fetches: list[Fetch],
+        remaining: dict[int, int],
+        finishers: dict[int, Callable[[], None]],
+    ) -> None:
+        transfer, bucket = self._transfer, self.location.bucket
+        loop = asyncio.get_running_loop()
+        for number, count in remaining.items():
+            if count == 0:
+                finishers[number]()
+
+        async def one(fetch: Fetch) -> None:
+            data = await transfer.get_range(bucket, fetch.key, fetch.start, fetch.end, fetch.direct)
+            if fetch.direct is None:
+                await loop.run_in_executor(None, deliver, fetch, data)
+            for target in fetch.targets:
+                remaining[target.item] -= 1
+                if remaining[target.item] == 0:
+                    finishers[target.item]()
+
+        await gather_or_cancel(one(fetch) for fetch in fetches)
+
+
+class _Placer:
+    """Copies the covering bytes of a row-major sub-rectangle into its (strided) destination."""
+
+    def __init__(
+        self,
+        shape: tuple[int, ...],
+        lengths: tuple[int, ...],
+        dtype: torch.dtype,
+        dest: torch.Tensor,
+    ) -> None:
+        self.strides = ranges.row_major_strides(shape)
+        self.lengths = lengths
+        self.dtype = dtype
+        self.dest = dest
+
+    def __call__(self, data: memoryview) -> None:
+        flat = torch.frombuffer(data, dtype=self.dtype)
+        self.dest.copy_(flat.as_strided(self.lengths, self.strides, 0))

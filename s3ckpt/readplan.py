@@ -1,0 +1,85 @@
+"""Turn a load's byte needs into GET requests. No I/O.
+
+A `Target` is one destination of bytes: either a memory region that receives an exact byte range
+(zero-copy into the destination tensor) or a function that consumes the range's bytes (copies into
+a strided destination, or hands non-tensor bytes to the planner). `plan_fetches` merges targets in
+the same object whose ranges are close (one round trip beats a few wasted bytes), splits large
+zero-copy targets so they download concurrently, and caps every buffered fetch's size, so the
+memory a load holds beyond its destinations is bounded by ``max_size x concurrency``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from .ranges import coalesce, split_range
+
+__all__ = ["Fetch", "Target", "plan_fetches"]
+
+
+@dataclass(eq=False)
+class Target:
+    """Bytes ``[start, end)`` of object ``key``, for read item number ``item``.
+
+    Exactly one of ``sink`` (a writable view of ``end - start`` bytes) and ``place`` is set.
+    """
+
+    item: int
+    key: str
+    start: int
+    end: int
+    sink: memoryview | None = None
+    place: Callable[[memoryview], None] | None = None
+
+
+@dataclass(eq=False)
+class Fetch:
+    """One ranged GET. With ``direct`` set it lands in that view; else in a fresh buffer that is
+    then handed to each target."""
+
+    key: str
+    start: int
+    end: int
+    targets: list[Target] = field(default_factory=list)
+    direct: memoryview | None = None
+
+
+def plan_fetches(targets: Sequence[Target], *, max_gap: int, max_size: int) -> list[Fetch]:
+    """Group, merge and split targets into fetches; every target is served by exactly one."""
+    by_key: dict[str, list[Target]] = defaultdict(list)
+    for target in targets:
+        if target.end > target.start:
+            by_key[target.key].extend(_split(target, max_size))
+    fetches: list[Fetch] = []
+    for key, group in sorted(by_key.items()):
+        merged = coalesce([(t.start, t.end) for t in group], max_gap=max_gap, max_size=max_size)
+        for m in merged:
+            members = [group[i] for i in m.members]
+            only = members[0]
+            if len(members) == 1 and only.sink is not None:
+                fetches.append(Fetch(key, m.start, m.end, members, direct=only.sink))
+            else:
+                fetches.append(Fetch(key, m.start, m.end, members))
+    return fetches
+
+
+def _split(target: Target, max_size: int) -> list[Target]:
+    """A zero-copy target larger than ``max_size`` becomes several, each a slice of its sink."""
+    if target.sink is None or target.end - target.start <= max_size:
+        return [target]
+    return [
+        Target(target.item, target.key, s, e, sink=target.sink[s - target.start : e - target.start])
+        for s, e in split_range(target.start, target.end, max_size)
+    ]
+
+
+def deliver(fetch: Fetch, data: memoryview) -> None:
+    """Hand a buffered fetch's bytes to its targets (copies; run it off the event loop)."""
+    for target in fetch.targets:
+        piece = data[target.start - fetch.start : target.end - fetch.start]
+        if target.sink is not None:
+            target.sink[:] = piece
+        elif target.place is not None:
+            target.place(piece)

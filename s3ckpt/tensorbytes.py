@@ -1,0 +1,40 @@
+"""Tensors as bytes and bytes as tensors, without NumPy and without needless copies. No I/O.
+
+Tensors are stored as their elements' raw bytes in row-major order; that is what lets a reader
+fetch a byte range of a tensor, and write it straight into a destination tensor's memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+__all__ = ["as_flat_bytes", "memory_of"]
+
+
+def as_flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A 1-D uint8 view of the tensor's own elements in row-major order, on its device.
+
+    A view shares memory with its base but contributes only its own elements; a non-contiguous
+    tensor (or one with a lazy conjugate/negative bit) is copied once to make it contiguous.
+    """
+    if tensor.layout != torch.strided or tensor.is_quantized:
+        raise TypeError(f"s3ckpt stores dense strided tensors only, got layout {tensor.layout}")
+    tensor = tensor.detach().resolve_conj().resolve_neg()
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def memory_of(tensor: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory.
+
+    The view does not keep the tensor alive: the caller must hold a reference while using it.
+    """
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError("memory_of needs a contiguous CPU tensor")
+    size = tensor.numel() * tensor.element_size()
+    if size == 0:
+        return memoryview(bytearray())
+    return memoryview((ctypes.c_ubyte * size).from_address(tensor.data_ptr())).cast("B")

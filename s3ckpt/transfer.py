@@ -1,0 +1,308 @@
+"""The async S3 transfer engine: every request s3ckpt makes goes through `Transfer`.
+
+One `Transfer` exists per resolved configuration per process (`get_transfer`), on the private loop
+of `bridge`. Its semaphore is the bound on in-flight data requests, and data buffers are only
+materialised while a request holds a slot, so bytes in flight stay near
+``part_size x max_concurrency`` whatever the checkpoint size. A multipart upload that fails or is
+cancelled is aborted before the error propagates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+from collections.abc import Awaitable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+from .client import ClientHolder, map_error
+from .config import ResolvedConfig, S3Config
+from .errors import AccessDenied, ObjectNotFound, StorageError
+
+__all__ = ["Payload", "Transfer", "TransferStats", "gather_or_cancel", "get_transfer"]
+
+T = TypeVar("T")
+_MAX_PARTS = 10_000
+_READ_CHUNK = 1024 * 1024
+
+
+class Payload(Protocol):
+    """The bytes of one object to upload, produced part by part (maybe copying)."""
+
+    @property
+    def size(self) -> int: ...
+
+    def read(self, start: int, end: int) -> bytes | bytearray | memoryview: ...
+
+
+@dataclass
+class TransferStats:
+    """Counters for one process and configuration; benchmarks and the tools read them."""
+
+    requests: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
+class Transfer:
+    """S3 operations under one concurrency bound. Call only on the `bridge` loop."""
+
+    def __init__(self, resolved: ResolvedConfig) -> None:
+        self.resolved = resolved
+        self.config = resolved.config
+        self.stats = TransferStats()
+        self._clients = ClientHolder(self.resolved)
+        self._slots: asyncio.Semaphore | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return self.resolved.endpoint_name
+
+    def _semaphore(self) -> asyncio.Semaphore:
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.config.max_concurrency)
+        return self._slots
+
+    async def _call(self, operation: str, bucket: str, key: str | None, **params: Any) -> Any:
+        client = await self._clients.get()
+        self.stats.requests += 1
+        try:
+            return await getattr(client, operation)(Bucket=bucket, **params)
+        except Exception as e:
+            raise map_error(
+                e, endpoint=self.endpoint, bucket=bucket, key=key, operation=operation
+            ) from e
+
+    async def put(self, bucket: str, key: str, body: bytes, *, if_none_match: bool = False) -> None:
+        """One PutObject; ``if_none_match`` makes it fail (PreconditionFailed) if the key exists."""
+        extra = {"IfNoneMatch": "*"} if if_none_match else {}
+        await self._call("put_object", bucket, key, Key=key, Body=body, **extra)
+        self.stats.bytes_sent += len(body)
+
+    async def upload(self, bucket: str, key: str, payload: Payload) -> None:
+        """One PutObject up to the multipart threshold, else a multipart upload."""
+        if payload.size <= self.config.multipart_threshold:
+            async with self._semaphore():
+                body = await _read(payload, 0, payload.size)
+                await self.put(bucket, key, bytes(body) if isinstance(body, bytearray) else body)
+            return
+        upload_id = await self._create_upload(bucket, key)
+        try:
+            part_size = max(self.config.part_size, math.ceil(payload.size / _MAX_PARTS))
+            starts = range(0, payload.size, part_size)
+            parts = await gather_or_cancel(
+                self._upload_part(bucket, key, upload_id, number, payload, start, part_size)
+                for number, start in enumerate(starts, 1)
+            )
+            await self._call(
+                "complete_multipart_upload",
+                bucket,
+                key,
+                Key=key,
+                UploadId=upload_id,
+                MultipartUpload={"Parts": parts},
+            )
+        except BaseException:
+            await asyncio.shield(self.abort(bucket, key, upload_id))
+            raise
+
+    async def _create_upload(self, bucket: str, key: str) -> str:
+        """CreateMultipartUpload that never leaks: if cancelled while the request is in flight,
+        wait for the server's answer and abort the upload it created."""
+        create = asyncio.ensure_future(self._call("create_multipart_upload", bucket, key, Key=key))
+        try:
+            created = await asyncio.shield(create)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await self.abort(bucket, key, (await create)["UploadId"])
+            raise
+        return str(created["UploadId"])
+
+    async def _upload_part(
+        self,
+        bucket: str,
+        key: str,
+        upload_id: str,
+        number: int,
+        payload: Payload,
+        start: int,
+        size: int,
+    ) -> dict[str, Any]:
+        end = min(start + size, payload.size)
+        async with self._semaphore():
+            body = await _read(payload, start, end)
+            reply = await self._call(
+                "upload_part",
+                bucket,
+                key,
+                Key=key,
+                UploadId=upload_id,
+                PartNumber=number,
+                Body=body,
+            )
+        self.stats.bytes_sent += end - start
+        return {"PartNumber": number, "ETag": reply["ETag"]}
+
+    async def abort(self, bucket: str, key: str, upload_id: str) -> None:
+        """Abort a multipart upload; failures are swallowed (gc finds what is left)."""
+        with contextlib.suppress(StorageError):
+            await self._call("abort_multipart_upload", bucket, key, Key=key, UploadId=upload_id)
+
+    async def get(self, bucket: str, key: str) -> bytes:
+        """A whole object (for small ones such as ``.metadata``)."""
+        async with self._semaphore():
+            reply = await self._call("get_object", bucket, key, Key=key)
+            async with reply["Body"] as body:
+                data: bytes = await body.read()
+        self.stats.bytes_received += len(data)
+        return data
+
+    async def get_range(
+        self, bucket: str, key: str, start: int, end: int, into: memoryview | None = None
+    ) -> memoryview:
+        """Bytes ``[start, end)`` of an object, written into ``into`` or a new buffer.
+
+        The buffer is allocated only once a slot is held, so queued reads hold no memory.
+        """
+        if end <= start:
+            return memoryview(bytearray())
+        async with self._semaphore():
+            sink = memoryview(bytearray(end - start)) if into is None else into
+            reply = await self._call(
+                "get_object", bucket, key, Key=key, Range=f"bytes={start}-{end - 1}"
+            )
+            filled = 0
+            try:
+                async with reply["Body"] as body:
+                    while filled < len(sink):
+                        chunk = await body.read(min(_READ_CHUNK, len(sink) - filled))
+                        if not chunk:
+                            break
+                        sink[filled : filled + len(chunk)] = chunk
+                        filled += len(chunk)
+            except Exception as e:
+                raise map_error(
+                    e, endpoint=self.endpoint, bucket=bucket, key=key, operation="get_object"
+                ) from e
+        self.stats.bytes_received += filled
+        if filled != len(sink):
+            raise StorageError(
+                f"get_object s3://{bucket}/{key} bytes {start}-{end - 1} at {self.endpoint}: "
+                f"response ended after {filled} of {len(sink)} bytes",
+                endpoint=self.endpoint,
+                bucket=bucket,
+                key=key,
+                operation="get_object",
+                code="Truncated",
+                status=None,
+            )
+        return sink
+
+    async def head(self, bucket: str, key: str) -> dict[str, Any] | None:
+        """The object's headers, or ``None`` if it does not exist."""
+        try:
+            reply: dict[str, Any] = await self._call("head_object", bucket, key, Key=key)
+        except ObjectNotFound:
+            return None
+        return reply
+
+    async def check_bucket(self, bucket: str) -> None:
+        """Raise BucketNotFound if the bucket is missing (some servers would create it on PUT).
+
+        Credentials scoped to a prefix may not be allowed HeadBucket; that is not an error.
+        """
+        with contextlib.suppress(AccessDenied):
+            await self._call("head_bucket", bucket, None)
+
+    async def list(
+        self, bucket: str, prefix: str, *, limit: int | None = None
+    ) -> list[tuple[str, int]]:
+        """``(key, size)`` of objects under ``prefix``, paginated; at most ``limit`` of them."""
+        found: list[tuple[str, int]] = []
+        token: dict[str, str] = {}
+        while True:
+            page_size = 1000 if limit is None else min(1000, limit - len(found))
+            reply = await self._call(
+                "list_objects_v2", bucket, prefix or None, Prefix=prefix, MaxKeys=page_size, **token
+            )
+            found.extend((o["Key"], int(o["Size"])) for o in reply.get("Contents", []))
+            if not reply.get("IsTruncated") or (limit is not None and len(found) >= limit):
+                return found
+            token = {"ContinuationToken": reply["NextContinuationToken"]}
+
+    async def delete(self, bucket: str, keys: Iterable[str]) -> None:
+        """Delete keys in batches of 1000; raises if the server refused any of them."""
+        pending = sorted(set(keys))
+        for i in range(0, len(pending), 1000):
+            batch = pending[i : i + 1000]
+            reply = await self._call(
+                "delete_objects",
+                bucket,
+                batch[0],
+                Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True},
+            )
+            errors = reply.get("Errors") or []
+            if errors:
+                first = errors[0]
+                raise StorageError(
+                    f"delete_objects in s3://{bucket} at {self.endpoint}: {len(errors)} keys not "
+                    f"deleted, first s3://{bucket}/{first.get('Key')}: {first.get('Code')} "
+                    f"({first.get('Message')})",
+                    endpoint=self.endpoint,
+                    bucket=bucket,
+                    key=first.get("Key"),
+                    operation="delete_objects",
+                    code=first.get("Code"),
+                    status=None,
+                )
+
+    async def list_uploads(self, bucket: str, prefix: str) -> list[tuple[str, str]]:
+        """``(key, upload_id)`` of multipart uploads in progress under ``prefix``."""
+        found: list[tuple[str, str]] = []
+        markers: dict[str, str] = {}
+        while True:
+            reply = await self._call(
+                "list_multipart_uploads", bucket, prefix, Prefix=prefix, **markers
+            )
+            found.extend((u["Key"], u["UploadId"]) for u in reply.get("Uploads", []))
+            if not reply.get("IsTruncated"):
+                return found
+            markers = {
+                "KeyMarker": reply["NextKeyMarker"],
+                "UploadIdMarker": reply["NextUploadIdMarker"],
+            }
+
+
+async def _read(payload: Payload, start: int, end: int) -> bytes | bytearray | memoryview:
+    # Producing a part may copy megabytes (or come from an accelerator); keep it off the loop.
+    return await asyncio.get_running_loop().run_in_executor(None, payload.read, start, end)
+
+
+async def gather_or_cancel(aws: Iterable[Awaitable[T]]) -> list[T]:
+    """Like ``asyncio.gather``, but the first failure cancels the rest and waits for them."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+_transfers: dict[ResolvedConfig, Transfer] = {}
+
+
+def get_transfer(config: S3Config) -> Transfer:
+    """The process's `Transfer` for ``config`` (resolved against the current environment)."""
+    resolved = config.resolve()
+    transfer = _transfers.get(resolved)
+    if transfer is None:
+        transfer = _transfers.setdefault(resolved, Transfer(resolved))
+    return transfer
+
+
+# A forked child gets a fresh bridge loop; the parent's clients are bound to the old one.
+os.register_at_fork(after_in_child=_transfers.clear)

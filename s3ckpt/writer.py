@@ -1,0 +1,296 @@
+"""`S3Writer`: DCP's StorageWriter for S3-compatible object stores.
+
+How DCP drives it (torch 2.13; see ``torch/distributed/checkpoint/storage.py``):
+
+1. every rank: ``storage_meta()``, ``set_up_storage_writer`` — the coordinator checks the prefix
+   for a committed checkpoint here, so a refused save fails before any upload;
+2. every rank: ``prepare_local_plan``; coordinator: ``prepare_global_plan``, which draws the save's
+   id and tells each rank its number;
+3. every rank: ``write_data`` packs its items into a few objects balanced by size and uploads them
+   concurrently; if anything fails it aborts its multipart uploads and deletes what it wrote;
+4. coordinator, only when every rank succeeded: ``finish`` writes ``.metadata`` with one PUT — the
+   commit. Without ``overwrite`` the PUT is conditional (``If-None-Match: *``) so that of two
+   concurrent saves at most one commits; with it, the old checkpoint's objects are deleted after
+   the commit. A failed commit deletes the save's objects.
+
+Data objects of a multi-rank save whose other ranks failed are not referenced by any
+``.metadata`` and are left for garbage collection. One save at a time per writer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import io
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from . import bridge, layout
+from .config import S3Config
+from .errors import CheckpointExists, PreconditionFailed, S3CkptError
+from .layout import Location
+from .metadata import Locator, decode, encode
+from .tensorbytes import as_flat_bytes, memory_of
+from .transfer import Transfer, gather_or_cancel, get_transfer
+
+__all__ = ["S3Writer"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _RankPlan:
+    """What the coordinator tells each rank in ``SavePlan.storage_data``."""
+
+    save_id: str
+    rank: int
+
+
+class S3Writer(StorageWriter):
+    """Save a DCP checkpoint to ``s3://bucket/prefix``.
+
+    Args:
+        bucket: bucket name, or a whole ``s3://bucket/prefix`` URL.
+        prefix: key prefix of the checkpoint (a "directory"); ``checkpoint_id`` overrides it.
+        config: connection settings; default `S3Config()` reads the standard AWS sources.
+        overwrite: replace a committed checkpoint at the prefix instead of failing.
+        objects_per_rank: most data objects one rank writes; more objects upload in parallel.
+    """
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        config: S3Config | None = None,
+        overwrite: bool = False,
+        objects_per_rank: int = 4,
+    ) -> None:
+        super().__init__()
+        if objects_per_rank < 1:
+            raise ValueError(f"objects_per_rank must be >= 1, got {objects_per_rank}")
+        self.location = Location.of(bucket, prefix)
+        self.config = config or S3Config()
+        self.overwrite = overwrite
+        self.objects_per_rank = objects_per_rank
+        self.is_coordinator = False
+        self._save_id: str | None = None
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.location.url
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | Any) -> bool:
+        return isinstance(checkpoint_id, str) and checkpoint_id.startswith("s3://")
+
+    def reset(self, checkpoint_id: str | Any = None) -> None:
+        if checkpoint_id is not None:
+            self.location = self.location.moved_to(str(checkpoint_id))
+        self._save_id = None
+
+    def storage_meta(self) -> StorageMeta:
+        return StorageMeta(checkpoint_id=self.checkpoint_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        if is_coordinator:
+            bridge.run(self._check_destination())
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        self._save_id = layout.new_save_id()
+        return [
+            dataclasses.replace(plan, storage_data=_RankPlan(self._save_id, rank))
+            for rank, plan in enumerate(plans)
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        rank_plan: _RankPlan = plan.storage_data
+        sizes = [_planned_size(item) for item in plan.items]
+        owner = layout.pack(sizes, self.objects_per_rank, self.config.part_size)
+        objects: dict[int, list[tuple[WriteItem, torch.Tensor | bytes]]] = {}
+        for item, obj in zip(plan.items, owner, strict=True):
+            data = planner.resolve_data(item)
+            value = data.getvalue() if isinstance(data, io.BytesIO) else as_flat_bytes(data)
+            objects.setdefault(obj, []).append((item, value))
+
+        results: list[WriteResult] = []
+        uploads: dict[str, _Packed] = {}
+        for obj, members in sorted(objects.items()):
+            relative = layout.data_key(rank_plan.save_id, rank_plan.rank, obj)
+            packed = _Packed([value for _, value in members])
+            uploads[self.location.key(relative)] = packed
+            for (item, _), start, length in zip(
+                members, packed.starts, packed.lengths, strict=True
+            ):
+                locator = Locator(relative, start, length)
+                results.append(
+                    WriteResult(index=item.index, size_in_bytes=length, storage_data=locator)
+                )
+        return bridge.to_torch_future(bridge.submit(self._upload(uploads)), results)
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        locators: dict[MetadataIndex, Locator] = {}
+        objects: dict[str, int] = {}
+        for rank_results in results:
+            for result in rank_results:
+                locator: Locator = result.storage_data
+                locators[result.index] = locator
+                objects[locator.key] = objects.get(locator.key, 0) + locator.length
+        if self._save_id is None:
+            raise S3CkptError(f"finish() for {self.checkpoint_id} without a planned save")
+        record = encode(
+            metadata,
+            locators,
+            save_id=self._save_id,
+            created=time.time(),
+            objects=objects,
+            extra={"world_size": len(results)},
+        )
+        bridge.run(self._commit(record, [self.location.key(k) for k in objects]))
+
+    @property
+    def _transfer(self) -> Transfer:
+        return get_transfer(self.config)
+
+    async def _check_destination(self) -> None:
+        """Fail before any upload if the bucket is missing or a commit would be refused."""
+        transfer, location = self._transfer, self.location
+        await transfer.check_bucket(location.bucket)
+        if self.overwrite:
+            return
+        if await transfer.head(location.bucket, location.metadata_key) is not None:
+            raise CheckpointExists(
+                f"{self.checkpoint_id} already holds a committed checkpoint; "
+                "pass overwrite=True to replace it",
+                url=self.checkpoint_id,
+            )
+
+    async def _upload(self, uploads: dict[str, _Packed]) -> None:
+        transfer, bucket = self._transfer, self.location.bucket
+        try:
+            await gather_or_cancel(transfer.upload(bucket, k, p) for k, p in uploads.items())
+        except BaseException:
+            # Every key, not only finished ones: a cancelled PUT or Complete may still land.
+            await asyncio.shield(self._delete_quietly(list(uploads)))
+            raise
+
+    async def _commit(self, record: bytes, keys: list[str]) -> None:
+        transfer, bucket, meta_key = (
+            self._transfer,
+            self.location.bucket,
+            self.location.metadata_key,
+        )
+        previous = await self._previous_objects() if self.overwrite else set()
+        try:
+            await transfer.put(bucket, meta_key, record, if_none_match=not self.overwrite)
+        except PreconditionFailed as e:
+            await asyncio.shield(self._delete_quietly(keys))
+            raise CheckpointExists(
+                f"{self.checkpoint_id}: another save committed first; this save's data was deleted",
+                url=self.checkpoint_id,
+            ) from e
+        except BaseException:
+            await asyncio.shield(self._delete_quietly(keys))
+            raise
+        stale = previous - set(keys)
+        if stale:
+            try:
+                await transfer.delete(bucket, stale)
+            except S3CkptError as e:
+                log.warning(
+                    "%s: committed, but old data objects were not deleted: %s",
+                    self.checkpoint_id,
+                    e,
+                )
+
+    async def _previous_objects(self) -> set[str]:
+        """Data keys of the committed checkpoint being replaced (to delete after the commit)."""
+        transfer, location = self._transfer, self.location
+        if await transfer.head(location.bucket, location.metadata_key) is None:
+            return set()
+        try:
+            raw = await transfer.get(location.bucket, location.metadata_key)
+            previous = decode(raw, url=location.metadata_url)
+        except S3CkptError as e:
+            log.warning(
+                "%s: replacing a checkpoint whose objects cannot be listed: %s", location.url, e
+            )
+            return set()
+        return {location.key(key) for key in previous.objects}
+
+    async def _delete_quietly(self, keys: Sequence[str]) -> None:
+        if not keys:
+            return
+        try:
+            await self._transfer.delete(self.location.bucket, keys)
+        except BaseException as e:
+            log.warning(
+                "%s: could not delete %d objects of a failed save: %s",
+                self.checkpoint_id,
+                len(keys),
+                e,
+            )
+
+
+class _Packed:
+    """Items stored back to back in one object; parts are produced on demand.
+
+    A part lying inside one CPU tensor is a zero-copy view; any other part is assembled into a
+    fresh buffer (copying from accelerator memory if the tensor lives there).
+    """
+
+    def __init__(self, values: list[torch.Tensor | bytes]) -> None:
+        self._values = values
+        self.lengths = [v.numel() if isinstance(v, torch.Tensor) else len(v) for v in values]
+        self.starts = [0] * len(values)
+        for i in range(1, len(values)):
+            self.starts[i] = self.starts[i - 1] + self.lengths[i - 1]
+        self.size = sum(self.lengths)
+
+    def read(self, start: int, end: int) -> bytes | bytearray | memoryview:
+        pieces = [
+            (i, max(start, s) - s, min(end, s + n) - s)
+            for i, (s, n) in enumerate(zip(self.starts, self.lengths, strict=True))
+            if s < end and s + n > start and n > 0
+        ]
+        if len(pieces) == 1:
+            i, lo, hi = pieces[0]
+            value = self._values[i]
+            if not isinstance(value, torch.Tensor):
+                return memoryview(value)[lo:hi]
+            if value.device.type == "cpu":
+                return memory_of(value)[lo:hi]
+        out = bytearray(end - start)
+        view = memoryview(out)
+        at = 0
+        for i, lo, hi in pieces:
+            value = self._values[i]
+            if isinstance(value, torch.Tensor):
+                torch.frombuffer(out, dtype=torch.uint8, offset=at, count=hi - lo).copy_(
+                    value[lo:hi]
+                )
+            else:
+                view[at : at + hi - lo] = value[lo:hi]
+            at += hi - lo
+        return out
+
+
+def _planned_size(item: WriteItem) -> int:
+    if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+        return 0
+    dtype = item.tensor_data.properties.dtype
+    return math.prod(item.tensor_data.chunk.sizes) * dtype.itemsize

@@ -1,0 +1,94 @@
+"""Worker functions for multi-process tests (spawned: they must live at module level)."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from s3ckpt import S3Config, S3Reader, S3Writer
+
+
+def reference_state() -> dict[str, torch.Tensor]:
+    """The full tensors every test compares against (deterministic, the same in every process)."""
+    generator = torch.Generator().manual_seed(1234)
+    return {
+        "rows": torch.randn(64, 48, generator=generator),
+        "cols": torch.randn(40, 96, generator=generator).to(torch.bfloat16),
+        "cube": torch.randn(6, 10, 12, generator=generator, dtype=torch.float64),
+        "replicated": torch.randn(33, generator=generator),
+    }
+
+
+def _init(rank: int, world: int, port: int) -> None:
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
+
+
+def _sharded(full: dict[str, torch.Tensor], world: int, layout: str) -> dict[str, Any]:
+    """Shard the reference state; ``layout`` "a" and "b" place each tensor differently."""
+    mesh = init_device_mesh("cpu", (world,))
+    first, second = (Shard(0), Shard(1)) if layout == "a" else (Shard(1), Shard(0))
+    return {
+        "rows": distribute_tensor(full["rows"], mesh, [first]),
+        "cols": distribute_tensor(full["cols"], mesh, [second]),
+        "cube": distribute_tensor(full["cube"], mesh, [Shard(2) if layout == "a" else Shard(1)]),
+        "replicated": distribute_tensor(full["replicated"], mesh, [Replicate()]),
+        "plain": full["replicated"].clone(),
+        "step": 7,
+    }
+
+
+def save_sharded(rank: int, world: int, port: int, config: S3Config, url: str) -> None:
+    _init(rank, world, port)
+    try:
+        state = _sharded(reference_state(), world, "a")
+        dcp.save(state, storage_writer=S3Writer(url, config=config))
+    finally:
+        dist.destroy_process_group()
+
+
+def load_sharded(rank: int, world: int, port: int, config: S3Config, url: str) -> None:
+    _init(rank, world, port)
+    try:
+        full = reference_state()
+        state = _sharded({k: torch.zeros_like(v) for k, v in full.items()}, world, "b")
+        state["step"] = 0
+        dcp.load(state, storage_reader=S3Reader(url, config=config))
+        for name in ("rows", "cols", "cube", "replicated"):
+            loaded = state[name]
+            assert isinstance(loaded, DTensor)
+            assert torch.equal(loaded.full_tensor(), full[name]), name
+        assert torch.equal(state["plain"], full["replicated"])
+        assert state["step"] == 7
+    finally:
+        dist.destroy_process_group()
+
+
+def process_mode_round_trip(rank: int, port: int, config: S3Config, url: str) -> None:
+    """async_save in PROCESS mode: the writer is pickled into a spawned checkpoint process."""
+    _init(rank, 1, port)
+    try:
+        full = reference_state()
+        writer = S3Writer(url, config=config)
+        future = dcp.async_save(
+            dict(full), storage_writer=writer, async_checkpointer_type=AsyncCheckpointerType.PROCESS
+        )
+        future.result(timeout=180)
+        loaded = {k: torch.zeros_like(v) for k, v in full.items()}
+        dcp.load(loaded, storage_reader=S3Reader(url, config=config))
+        for name, tensor in full.items():
+            assert torch.equal(loaded[name], tensor), name
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,112 @@
+"""Configuration: the standard AWS sources, their precedence, and validation. No server."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import pytest
+
+from s3ckpt import ConfigError, S3Config
+from s3ckpt.config import MiB, parse_s3_url
+
+
+def test_endpoint_precedence_service_specific_then_global() -> None:
+    env = {"AWS_ENDPOINT_URL": "http://global:1", "AWS_ENDPOINT_URL_S3": "http://s3:2/"}
+    assert S3Config().resolve(env).endpoint_url == "http://s3:2"
+    assert (
+        S3Config().resolve({"AWS_ENDPOINT_URL": "http://global:1"}).endpoint_url
+        == "http://global:1"
+    )
+    explicit = S3Config(endpoint_url="http://arg:3").resolve(env)
+    assert explicit.endpoint_url == "http://arg:3"
+
+
+def test_ignore_configured_endpoint_urls() -> None:
+    env = {"AWS_ENDPOINT_URL": "http://global:1", "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS": "true"}
+    assert S3Config().resolve(env).endpoint_url is None
+
+
+def test_path_style_by_default_only_with_an_endpoint() -> None:
+    assert S3Config(endpoint_url="http://x:1").resolve({}).addressing_style == "path"
+    assert S3Config().resolve({}).addressing_style == "virtual"
+    forced = S3Config(endpoint_url="http://x:1", addressing_style="virtual").resolve({})
+    assert forced.addressing_style == "virtual"
+
+
+def test_region_precedence() -> None:
+    both = {"AWS_REGION": "eu-west-3", "AWS_DEFAULT_REGION": "ap-south-1"}
+    assert S3Config().resolve(both).region == "eu-west-3"
+    assert S3Config().resolve({"AWS_DEFAULT_REGION": "ap-south-1"}).region == "ap-south-1"
+    assert S3Config(region="us-west-2").resolve(both).region == "us-west-2"
+    assert S3Config().resolve({}).region == "us-east-1"
+
+
+def test_profile_from_config_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config_file = tmp_path / "config"
+    config_file.write_text(
+        "[profile flash]\nregion = eu-central-1\nendpoint_url = http://flashblade:80\n"
+        "[profile nested]\ns3 =\n  endpoint_url = http://nested:81\n"
+    )
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config_file))
+    resolved = S3Config(profile="flash").resolve({})
+    assert (resolved.region, resolved.endpoint_url) == ("eu-central-1", "http://flashblade:80")
+    assert resolved.addressing_style == "path"
+    assert S3Config().resolve({"AWS_PROFILE": "nested"}).endpoint_url == "http://nested:81"
+    with pytest.raises(ConfigError, match="nope"):
+        S3Config(profile="nope").resolve({})
+
+
+def test_tls_settings(tmp_path: Path) -> None:
+    bundle = tmp_path / "ca.pem"
+    bundle.write_text("not checked here")
+    assert S3Config().resolve({}).verify is True
+    assert S3Config(verify=False).resolve({"AWS_CA_BUNDLE": str(bundle)}).verify is False
+    assert S3Config().resolve({"AWS_CA_BUNDLE": str(bundle)}).verify == str(bundle)
+    assert S3Config(ca_bundle=str(bundle)).resolve({}).verify == str(bundle)
+    with pytest.raises(ConfigError, match=r"missing\.pem"):
+        S3Config(ca_bundle=str(tmp_path / "missing.pem")).resolve({})
+
+
+def test_checksums_are_explicit_and_retries_bounded() -> None:
+    options = S3Config(max_attempts=3).resolve({}).botocore_options()
+    assert options["request_checksum_calculation"] == "when_required"
+    assert options["response_checksum_validation"] == "when_required"
+    assert options["retries"] == {"mode": "standard", "total_max_attempts": 3}
+    assert options["s3"]["payload_signing_enabled"] is False
+    assert options["max_pool_connections"] >= S3Config().max_concurrency
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"part_size": 1 * MiB},
+        {"max_concurrency": 0},
+        {"addressing_style": "sideways"},
+        {"max_attempts": 0},
+        {"read_timeout": 0},
+        {"access_key_id": "only-half"},
+        {"endpoint_url": "ftp://x"},
+        {"multipart_threshold": -1},
+    ],
+)
+def test_invalid_settings_are_refused(kwargs: dict[str, object]) -> None:
+    with pytest.raises(ConfigError):
+        S3Config(**kwargs)  # type: ignore[arg-type]
+
+
+def test_secrets_stay_out_of_repr_and_config_pickles() -> None:
+    config = S3Config(
+        access_key_id="AKIDEXAMPLE", secret_access_key="SECRETSECRET", session_token="TOKTOK"
+    )
+    assert "SECRETSECRET" not in repr(config) and "TOKTOK" not in repr(config)
+    assert "SECRETSECRET" not in repr(config.resolve({}))
+    assert pickle.loads(pickle.dumps(config)) == config
+
+
+def test_parse_s3_url() -> None:
+    assert parse_s3_url("s3://bucket/a/b/") == ("bucket", "a/b")
+    assert parse_s3_url("s3://bucket") == ("bucket", "")
+    for bad in ("bucket/a", "s3:///a", "http://x/y"):
+        with pytest.raises(ConfigError):
+            parse_s3_url(bad)

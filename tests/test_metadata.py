@@ -1,0 +1,726 @@
+"""Tests for the JSON commit record: exact round trips through DCP's planners, and loud failures.
+
+The metadata comes from DCP's own planners (not hand-built) so the tests track what real saves
+produce; the in-memory storage plugin at the end runs a whole ``dcp.save`` / ``dcp.load`` on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import io
+import json
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    _EmptyStateDictLoadPlanner,
+)
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from s3ckpt.errors import MetadataError
+from s3ckpt.metadata import FORMAT, FORMAT_VERSION, Checkpoint, Locator, decode, encode
+
+URL = "s3://bucket/run/step-10/.metadata"
+
+
+def _state_dict() -> dict[str, Any]:
+    torch.manual_seed(0)
+    return {
+        "model": {
+            "w": torch.randn(4, 3, dtype=torch.bfloat16),
+            "c": torch.randn(2, dtype=torch.complex64),
+            "mask": torch.tensor([True, False, True]),
+            "u8": torch.arange(5, dtype=torch.uint8),
+            "scalar": torch.tensor(3.5, dtype=torch.float64),
+            "empty": torch.empty(0, 7),
+        },
+        "layers": [torch.ones(2, 2), {"b": torch.full((3,), 2, dtype=torch.int64)}],
+        "step": 12,
+        "names": ["a", "b"],
+    }
+
+
+def _zeros_like(sd: Any) -> Any:
+    """A fresh state dict of the same shape, so a load has something to fill."""
+    if isinstance(sd, dict):
+        return {k: _zeros_like(v) for k, v in sd.items()}
+    if isinstance(sd, list):
+        return [_zeros_like(v) for v in sd]
+    if isinstance(sd, torch.Tensor):
+        return torch.zeros_like(sd)
+    return None
+
+
+def _plan(sd: dict[str, Any]) -> Metadata:
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(state_dict=sd, storage_meta=None, is_coordinator=True)
+    _, metadata = planner.create_global_plan([planner.create_local_plan()])
+    return dataclasses.replace(
+        metadata,
+        version="1.0.0",
+        storage_meta=StorageMeta(
+            checkpoint_id="s3://bucket/run/step-10", save_id="save-1", modules=["model"]
+        ),
+    )
+
+
+def _fake_locators(metadata: Metadata) -> tuple[dict[MetadataIndex, Locator], dict[str, int]]:
+    """One locator per chunk / bytes item, spread over two objects like two ranks would."""
+    locators: dict[MetadataIndex, Locator] = {}
+    objects = {"data/0.bin": 0, "data/1.bin": 0}
+    for n, (fqn, item) in enumerate(metadata.state_dict_metadata.items()):
+        key = f"data/{n % 2}.bin"
+        if isinstance(item, BytesStorageMetadata):
+            indexes, lengths = [MetadataIndex(fqn)], [11]
+        else:
+            itemsize = item.properties.dtype.itemsize
+            indexes = [MetadataIndex(fqn, c.offsets, i) for i, c in enumerate(item.chunks)]
+            lengths = [c.sizes.numel() * itemsize for c in item.chunks]
+        for index, length in zip(indexes, lengths, strict=True):
+            locators[index] = Locator(key, objects[key], length)
+            objects[key] += length
+    return locators, objects
+
+
+@pytest.fixture
+def saved() -> tuple[Metadata, dict[MetadataIndex, Locator], dict[str, int], bytes]:
+    metadata = _plan(_state_dict())
+    locators, objects = _fake_locators(metadata)
+    data = encode(
+        metadata,
+        locators,
+        save_id="save-1",
+        created=1700000000.25,
+        objects=objects,
+        extra={"world_size": 2, "settings": {"part_size": 8 << 20, "tags": ("a", "b")}},
+    )
+    return metadata, locators, objects, data
+
+
+def test_round_trip_is_exact(
+    saved: tuple[Metadata, dict[MetadataIndex, Locator], dict[str, int], bytes],
+) -> None:
+    metadata, locators, objects, data = saved
+    ckpt = decode(data, url=URL)
+
+    assert isinstance(ckpt, Checkpoint)
+    got = ckpt.metadata
+    assert got.state_dict_metadata == metadata.state_dict_metadata
+    assert list(got.state_dict_metadata) == sorted(metadata.state_dict_metadata)
+    for fqn, item in got.state_dict_metadata.items():
+        if isinstance(item, TensorStorageMetadata):
+            want = metadata.state_dict_metadata[fqn]
+            assert isinstance(want, TensorStorageMetadata)
+            assert item.properties.dtype is want.properties.dtype
+            assert type(item.size) is torch.Size
+            assert all(type(c.offsets) is torch.Size for c in item.chunks)
+            assert all(type(c.sizes) is torch.Size for c in item.chunks)
+    assert got.state_dict_metadata["model.scalar"].size == torch.Size([])  # type: ignore[union-attr]
+    assert got.state_dict_metadata["model.empty"].size == torch.Size([0, 7])  # type: ignore[union-attr]
+    assert isinstance(got.state_dict_metadata["step"], BytesStorageMetadata)
+
+    assert got.planner_data == metadata.planner_data
+    assert got.planner_data["layers.1.b"] == ("layers", 1, "b")
+    assert all(type(path) is tuple for path in got.planner_data.values())
+    assert got.storage_meta == metadata.storage_meta
+    assert got.version == "1.0.0"
+
+    assert ckpt.locators == locators
+    assert got.storage_data is ckpt.locators
+    assert ckpt.objects == objects
+    assert ckpt.save_id == "save-1"
+    assert ckpt.created == 1700000000.25
+    assert ckpt.extra == {"world_size": 2, "settings": {"part_size": 8 << 20, "tags": ["a", "b"]}}
+
+
+def test_locator_index_hints_are_chunk_positions() -> None:
+    chunks = [ChunkStorageMetadata(torch.Size([r * 2, 0]), torch.Size([2, 3])) for r in range(3)]
+    metadata = Metadata(
+        {
+            "w": TensorStorageMetadata(
+                TensorProperties(dtype=torch.float32), torch.Size([6, 3]), chunks
+            )
+        }
+    )
+    locators = {
+        MetadataIndex("w", c.offsets): Locator("o", i * 24, 24) for i, c in enumerate(chunks)
+    }
+    ckpt = decode(encode(metadata, locators, save_id="s", created=0, objects={"o": 72}), url=URL)
+    assert ckpt.locators == locators
+    assert [index.index for index in ckpt.locators] == [0, 1, 2]
+    assert ckpt.metadata.planner_data is None
+    assert ckpt.metadata.storage_meta is None
+    assert ckpt.extra == {}
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        getattr(torch, name)
+        for name in [
+            "float64",
+            "float32",
+            "float16",
+            "bfloat16",
+            "complex128",
+            "complex64",
+            "complex32",
+            "int64",
+            "int32",
+            "int16",
+            "int8",
+            "uint64",
+            "uint32",
+            "uint16",
+            "uint8",
+            "bool",
+            "float8_e4m3fn",
+            "float8_e4m3fnuz",
+            "float8_e5m2",
+            "float8_e5m2fnuz",
+            "float8_e8m0fnu",
+        ]
+        if isinstance(getattr(torch, name, None), torch.dtype)
+    ],
+    ids=str,
+)
+def test_every_standard_dtype_round_trips(dtype: torch.dtype) -> None:
+    props = TensorProperties(dtype=dtype, requires_grad=True, memory_format=torch.channels_last)
+    chunk = ChunkStorageMetadata(torch.Size([0, 0, 0, 0]), torch.Size([1, 2, 2, 2]))
+    metadata = Metadata({"t": TensorStorageMetadata(props, torch.Size([1, 2, 2, 2]), [chunk])})
+    locators = {MetadataIndex("t", chunk.offsets): Locator("o", 0, 8)}
+    ckpt = decode(encode(metadata, locators, save_id="s", created=1, objects={"o": 8}), url=URL)
+    assert ckpt.metadata.state_dict_metadata == metadata.state_dict_metadata
+
+
+def test_planner_data_keeps_lists_and_tuples_apart() -> None:
+    planner_data = {
+        "paths": {"a.0": ("a", 0), "b": ("b",)},
+        "list": [1, (2, [3, (4.5, None)]), True, "x"],
+        "empty": (),
+        "nested": {"__tuple__": [1], "other": 2},  # two keys: an ordinary dict
+    }
+    metadata = Metadata({}, planner_data=planner_data)
+    ckpt = decode(encode(metadata, {}, save_id="s", created=0, objects={}), url=URL)
+    assert ckpt.metadata.planner_data == planner_data
+    assert type(ckpt.metadata.planner_data["list"][1]) is tuple
+    assert type(ckpt.metadata.planner_data["list"][1][1]) is list
+    assert ckpt.metadata.planner_data["empty"] == ()
+
+
+def test_encoding_is_deterministic(
+    saved: tuple[Metadata, dict[MetadataIndex, Locator], dict[str, int], bytes],
+) -> None:
+    metadata, locators, objects, data = saved
+    shuffled = dataclasses.replace(
+        metadata,
+        state_dict_metadata=dict(reversed(list(metadata.state_dict_metadata.items()))),
+    )
+    again = encode(
+        shuffled,
+        dict(reversed(list(locators.items()))),
+        save_id="save-1",
+        created=1700000000.25,
+        objects=dict(reversed(list(objects.items()))),
+        extra={"settings": {"tags": ["a", "b"], "part_size": 8 << 20}, "world_size": 2},
+    )
+    assert again == data
+
+
+def test_encoded_record_is_plain_json_with_locators_inline(
+    saved: tuple[Metadata, dict[MetadataIndex, Locator], dict[str, int], bytes],
+) -> None:
+    _, locators, _, data = saved
+    assert not data.startswith(b"\x80")  # pickle protocol 2+ marker
+    assert b"\n" not in data  # compact
+
+    def no_constants(name: str) -> None:
+        raise AssertionError(f"non-standard JSON constant {name}")
+
+    record = json.loads(data.decode("utf-8"), parse_constant=no_constants)
+    assert record["format"] == FORMAT
+    assert record["version"] == FORMAT_VERSION
+    assert set(record) == {
+        "format",
+        "version",
+        "save_id",
+        "created",
+        "dcp_version",
+        "objects",
+        "extra",
+        "storage_meta",
+        "planner_data",
+        "state_dict",
+    }
+    w = record["state_dict"]["model.w"]
+    assert w["type"] == "tensor"
+    assert w["dtype"] == "bfloat16"
+    assert w["size"] == [4, 3]
+    assert w["memory_format"] == "contiguous_format"
+    loc = locators[MetadataIndex("model.w", [0, 0])]
+    assert w["chunks"] == [
+        {
+            "offsets": [0, 0],
+            "sizes": [4, 3],
+            "locator": {"key": loc.key, "offset": loc.offset, "length": loc.length},
+        }
+    ]
+    step = record["state_dict"]["step"]
+    assert step["type"] == "bytes"
+    assert set(step["locator"]) == {"key", "offset", "length"}
+    assert record["planner_data"]["layers.1.b"] == {"__tuple__": ["layers", 1, "b"]}
+
+    def leaves(value: Any) -> None:
+        if isinstance(value, dict):
+            for v in value.values():
+                leaves(v)
+        elif isinstance(value, list):
+            for v in value:
+                leaves(v)
+        else:
+            assert value is None or isinstance(value, (bool, int, float, str))
+
+    leaves(record)
+
+
+def test_default_load_planner_uses_decoded_metadata(
+    saved: tuple[Metadata, dict[MetadataIndex, Locator], dict[str, int], bytes],
+) -> None:
+    data = saved[3]
+    ckpt = decode(data, url=URL)
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner(
+        state_dict=_zeros_like(_state_dict()), metadata=ckpt.metadata, is_coordinator=True
+    )
+    plan = planner.create_local_plan()
+    for item in plan.items:
+        assert item.storage_index in ckpt.locators
+        assert ckpt.metadata.storage_data[item.storage_index] == ckpt.locators[item.storage_index]
+    # DCP reads every item except empty tensors, which have nothing to read.
+    unread = set(ckpt.locators) - {item.storage_index for item in plan.items}
+    assert {index.fqn for index in unread} == {"model.empty"}
+
+    # The empty-state-dict planner rebuilds the nesting from planner_data's tuple paths.
+    empty: dict[str, Any] = {}
+    rebuild = _EmptyStateDictLoadPlanner()  # type: ignore[no-untyped-call]
+    rebuild.set_up_planner(state_dict=empty, metadata=ckpt.metadata, is_coordinator=True)
+    assert rebuild.create_local_plan().items
+    assert empty["layers"][1]["b"].shape == (3,)
+    assert empty["model"]["w"].dtype == torch.bfloat16
+
+
+# ----------------------------------------------------------------------------- decode failures
+
+
+def _mutated(data: bytes, change: Callable[[dict[str, Any]], None]) -> bytes:
+    record = json.loads(data)
+    change(record)
+    return json.dumps(record).encode()
+
+
+def _tensor(record: dict[str, Any]) -> dict[str, Any]:
+    entry: dict[str, Any] = record["state_dict"]["model.w"]
+    return entry
+
+
+def _chunk(record: dict[str, Any]) -> dict[str, Any]:
+    chunk: dict[str, Any] = _tensor(record)["chunks"][0]
+    return chunk
+
+
+MUTATIONS: dict[str, Callable[[dict[str, Any]], None]] = {
+    "format": lambda r: r.update(format="torch-dcp"),
+    "no-format": lambda r: r.pop("format"),
+    "version-str": lambda r: r.update(version="1"),
+    "version-bool": lambda r: r.update(version=True),
+    "version-zero": lambda r: r.update(version=0),
+    "no-save-id": lambda r: r.pop("save_id"),
+    "save-id-int": lambda r: r.update(save_id=5),
+    "created-str": lambda r: r.update(created="yesterday"),
+    "created-huge": lambda r: r.update(created=1e400),
+    "dcp-version-int": lambda r: r.update(dcp_version=1),
+    "objects-list": lambda r: r.update(objects=["data/0.bin"]),
+    "object-size-negative": lambda r: r["objects"].update({"data/0.bin": -1}),
+    "object-key-escapes": lambda r: r["objects"].update({"../x": 1}),
+    "extra-list": lambda r: r.update(extra=[]),
+    "storage-meta-modules": lambda r: r["storage_meta"].update(modules="model"),
+    "storage-meta-id": lambda r: r["storage_meta"].update(checkpoint_id=3),
+    "planner-data-tag": lambda r: r["planner_data"].update({"x": {"__tuple__": 3}}),
+    "state-dict-list": lambda r: r.update(state_dict=[]),
+    "entry-type": lambda r: _tensor(r).update(type="sparse"),
+    "entry-no-type": lambda r: _tensor(r).pop("type"),
+    "dtype-unknown": lambda r: _tensor(r).update(dtype="float128"),
+    "dtype-not-a-dtype": lambda r: _tensor(r).update(dtype="Tensor"),
+    "dtype-dunder": lambda r: _tensor(r).update(dtype="__class__"),
+    "dtype-list": lambda r: _tensor(r).update(dtype=["float32"]),
+    "layout": lambda r: _tensor(r).update(layout="os"),
+    "memory-format": lambda r: _tensor(r).update(memory_format=0),
+    "requires-grad-int": lambda r: _tensor(r).update(requires_grad=0),
+    "size-negative": lambda r: _tensor(r).update(size=[-4, 3]),
+    "size-float": lambda r: _tensor(r).update(size=[4.0, 3]),
+    "size-str": lambda r: _tensor(r).update(size="4,3"),
+    "size-huge": lambda r: _tensor(r).update(size=[2**70, 3]),
+    "chunks-dict": lambda r: _tensor(r).update(chunks={}),
+    "chunk-rank": lambda r: _chunk(r).update(offsets=[0]),
+    "chunk-outside": lambda r: _chunk(r).update(offsets=[1, 0]),
+    "chunk-duplicate": lambda r: _tensor(r)["chunks"].append(_chunk(r)),
+    "no-locator": lambda r: _chunk(r).pop("locator"),
+    "locator-offset-negative": lambda r: _chunk(r)["locator"].update(offset=-1),
+    "locator-length-bool": lambda r: _chunk(r)["locator"].update(length=True),
+    "locator-past-end": lambda r: _chunk(r)["locator"].update(offset=10**9),
+    "locator-unknown-object": lambda r: _chunk(r)["locator"].update(key="data/9.bin"),
+    "locator-absolute-key": lambda r: _chunk(r)["locator"].update(key="/etc/passwd"),
+    "bytes-no-locator": lambda r: r["state_dict"]["step"].pop("locator"),
+}
+
+
+@pytest.mark.parametrize("name", list(MUTATIONS))
+def test_decode_rejects_wrong_fields(
+    saved: tuple[Metadata, dict[MetadataIndex, Locator], dict[str, int], bytes], name: str
+) -> None:
+    data = _mutated(saved[3], MUTATIONS[name])
+    with pytest.raises(MetadataError) as caught:
+        decode(data, url=URL)
+    assert URL in str(caught.value)
+    assert caught.value.url == URL  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("make", "cause"),
+    [
+        (lambda d: d[: len(d) // 2], "not valid JSON"),
+        (lambda d: d[:-1], "not valid JSON"),
+        (lambda d: b"", "not valid JSON"),
+        (lambda d: b"\xff\xfe\x00garbage\x9c", "not UTF-8"),
+        (lambda d: b"PK\x03\x04 this is a zip", "not valid JSON"),
+        (lambda d: pickle.dumps({"format": "s3ckpt"}), "pickle"),
+        (lambda d: b"[1, 2, 3]", "expected a JSON object"),
+        (lambda d: b'{"format": "s3ckpt", "version": NaN}', "NaN"),
+        (lambda d: b'{"format": "s3ckpt", "format": "s3ckpt"}', "twice"),
+        (lambda d: b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+        (lambda d: d.replace(b'"created":1700000000.25', b'"created":1e400'), "created"),
+        (lambda d: _mutated(d, lambda r: r.update(version=2)), "newer s3ckpt"),
+        (lambda d: _mutated(d, lambda r: r.pop("state_dict")), "missing field 'state_dict'"),
+        (lambda d: _mutated(d, lambda r: r.update(format="x")), "not an s3ckpt commit record"),
+    ],
+    ids=[
+        "truncated-half",
+        "truncated-last-byte",
+        "empty",
+        "not-utf8",
+        "garbage",
+        "pickle",
+        "not-an-object",
+        "nan",
+        "duplicate-key",
+        "deep-nesting",
+        "created-overflows",
+        "version-2",
+        "missing-field",
+        "wrong-format",
+    ],
+)
+def test_decode_errors_name_url_and_cause(
+    saved: tuple[Metadata, dict[MetadataIndex, Locator], dict[str, int], bytes],
+    make: Callable[[bytes], bytes],
+    cause: str,
+) -> None:
+    with pytest.raises(MetadataError) as caught:
+        decode(make(saved[3]), url=URL)
+    message = str(caught.value)
+    assert URL in message
+    assert cause in message
+
+
+def test_newer_version_says_upgrade(
+    saved: tuple[Metadata, dict[MetadataIndex, Locator], dict[str, int], bytes],
+) -> None:
+    with pytest.raises(MetadataError, match="upgrade"):
+        decode(_mutated(saved[3], lambda r: r.update(version=FORMAT_VERSION + 1)), url=URL)
+
+
+def test_decode_ignores_unknown_top_level_fields(
+    saved: tuple[Metadata, dict[MetadataIndex, Locator], dict[str, int], bytes],
+) -> None:
+    data = _mutated(saved[3], lambda r: r.update(comment="added by a later 1.x writer"))
+    assert decode(data, url=URL).locators == saved[1]
+
+
+def test_metadata_error_pickles(
+    saved: tuple[Metadata, dict[MetadataIndex, Locator], dict[str, int], bytes],
+) -> None:
+    with pytest.raises(MetadataError) as caught:
+        decode(saved[3][:10], url=URL)
+    again = pickle.loads(pickle.dumps(caught.value))
+    assert str(again) == str(caught.value)
+    assert again.url == URL
+
+
+def test_gc_state_is_restored(
+    saved: tuple[Metadata, dict[MetadataIndex, Locator], dict[str, int], bytes],
+) -> None:
+    assert gc.isenabled()
+    decode(saved[3], url=URL)
+    with pytest.raises(MetadataError):
+        decode(saved[3][:-1], url=URL)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        decode(saved[3], url=URL)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+# ----------------------------------------------------------------------------- encode failures
+
+
+def _encode_with(
+    saved: tuple[Metadata, dict[MetadataIndex, Locator], dict[str, int], bytes], **changes: Any
+) -> bytes:
+    metadata, locators, objects, _ = saved
+    args: dict[str, Any] = {
+        "metadata": metadata,
+        "locators": locators,
+        "save_id": "s",
+        "created": 1.0,
+        "objects": objects,
+        "extra": None,
+    }
+    args.update(changes)
+    return encode(
+        args.pop("metadata"),
+        args.pop("locators"),
+        save_id=args["save_id"],
+        created=args["created"],
+        objects=args["objects"],
+        extra=args["extra"],
+    )
+
+
+def test_encode_requires_a_locator_for_every_chunk(
+    saved: tuple[Metadata, dict[MetadataIndex, Locator], dict[str, int], bytes],
+) -> None:
+    locators = dict(saved[1])
+    del locators[MetadataIndex("model.c", [0])]
+    with pytest.raises(MetadataError, match=r"model\.c.*no locator"):
+        _encode_with(saved, locators=locators)
+    locators = dict(saved[1])
+    del locators[MetadataIndex("step")]
+    with pytest.raises(MetadataError, match=r"'step'.*no locator"):
+        _encode_with(saved, locators=locators)
+
+
+def test_encode_rejects_stray_locators(
+    saved: tuple[Metadata, dict[MetadataIndex, Locator], dict[str, int], bytes],
+) -> None:
+    locators = {**saved[1], MetadataIndex("ghost", [0]): Locator("data/0.bin", 0, 1)}
+    with pytest.raises(MetadataError, match="ghost"):
+        _encode_with(saved, locators=locators)
+
+
+@pytest.mark.parametrize(
+    ("locator", "cause"),
+    [
+        (Locator("data/7.bin", 0, 1), "not listed in objects"),
+        (Locator("data/0.bin", 0, 10**9), "outside object"),
+        (Locator("data/0.bin", -1, 1), "non-negative"),
+        (Locator("../data/0.bin", 0, 1), "relative object key"),
+    ],
+)
+def test_encode_checks_locators_against_objects(
+    saved: tuple[Metadata, dict[MetadataIndex, Locator], dict[str, int], bytes],
+    locator: Locator,
+    cause: str,
+) -> None:
+    locators = {**saved[1], MetadataIndex("model.w", [0, 0]): locator}
+    with pytest.raises(MetadataError, match=cause):
+        _encode_with(saved, locators=locators)
+
+
+@pytest.mark.parametrize(
+    ("planner_data", "cause"),
+    [
+        ({"model.w": ("model", object())}, r"planner_data\['model\.w'\]\[1\]"),
+        ({"x": {1: "a"}}, r"planner_data\['x'\]: key 1"),
+        ({"x": float("nan")}, r"planner_data\['x'\]"),
+        ({"x": {"__tuple__": [1]}}, "would read back as a tuple"),
+        ({"x": b"raw"}, "bytes value"),
+    ],
+)
+def test_encode_rejects_planner_data_that_is_not_json(
+    saved: tuple[Metadata, dict[MetadataIndex, Locator], dict[str, int], bytes],
+    planner_data: Any,
+    cause: str,
+) -> None:
+    metadata = dataclasses.replace(saved[0], planner_data=planner_data)
+    with pytest.raises(MetadataError, match=cause):
+        _encode_with(saved, metadata=metadata)
+
+
+def test_encode_rejects_cycles_and_bad_extra(
+    saved: tuple[Metadata, dict[MetadataIndex, Locator], dict[str, int], bytes],
+) -> None:
+    cycle: list[Any] = []
+    cycle.append(cycle)
+    with pytest.raises(MetadataError, match="nested"):
+        _encode_with(saved, extra={"loop": cycle})
+    with pytest.raises(MetadataError, match=r"extra\['when'\]"):
+        _encode_with(saved, extra={"when": object()})
+    with pytest.raises(MetadataError, match="created"):
+        _encode_with(saved, created=float("inf"))
+    with pytest.raises(MetadataError, match="objects"):
+        _encode_with(saved, objects={**saved[2], "data/0.bin": -5})
+
+
+def test_encode_rejects_unsupported_dtype() -> None:
+    chunk = ChunkStorageMetadata(torch.Size([0]), torch.Size([1]))
+    props = TensorProperties(dtype=torch.qint8)
+    metadata = Metadata({"q": TensorStorageMetadata(props, torch.Size([1]), [chunk])})
+    locators = {MetadataIndex("q", [0]): Locator("o", 0, 1)}
+    with pytest.raises(MetadataError, match=r"'q'.*dtype"):
+        encode(metadata, locators, save_id="s", created=0, objects={"o": 1})
+
+
+# ------------------------------------------------------------- a whole dcp.save / dcp.load
+
+
+class _MemoryWriter(StorageWriter):
+    """Writes every item into one in-memory object and commits with :func:`encode`."""
+
+    def __init__(self, store: dict[str, bytes]) -> None:
+        self.store = store
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        pass
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        blob = io.BytesIO()
+        results = []
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            if isinstance(data, torch.Tensor):
+                buffer = io.BytesIO()
+                torch.save(data.detach().clone(), buffer)
+                payload = buffer.getvalue()
+            else:
+                assert item.type == WriteItemType.BYTE_IO and isinstance(data, io.BytesIO)
+                payload = data.getvalue()
+            locator = Locator("data/0.bin", blob.tell(), len(payload))
+            blob.write(payload)
+            results.append(WriteResult(item.index, len(payload), locator))
+        self.store["data/0.bin"] = blob.getvalue()
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        locators = {r.index: r.storage_data for rank in results for r in rank}
+        objects = {key: len(value) for key, value in self.store.items()}
+        self.store[".metadata"] = encode(
+            metadata, locators, save_id="e2e", created=2.0, objects=objects
+        )
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return True
+
+
+class _MemoryReader(StorageReader):
+    """Reads back what :class:`_MemoryWriter` wrote, trusting only :func:`decode`."""
+
+    def __init__(self, store: dict[str, bytes]) -> None:
+        self.store = store
+        self.locators: dict[MetadataIndex, Locator] = {}
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        pass
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return decode(self.store[".metadata"], url="mem://.metadata").metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, **kw: Any) -> None:
+        self.locators = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        for item in plan.items:
+            loc = self.locators[item.storage_index]
+            payload = self.store[loc.key][loc.offset : loc.offset + loc.length]
+            if item.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(item, io.BytesIO(payload))
+                continue
+            tensor = torch.load(io.BytesIO(payload), weights_only=True)
+            for dim, (start, length) in enumerate(
+                zip(item.storage_offsets, item.lengths, strict=True)
+            ):
+                tensor = tensor.narrow(dim, start, length)
+            target = planner.resolve_tensor(item).detach()
+            target.copy_(tensor)
+            planner.commit_tensor(item, target)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return True
+
+
+def test_dcp_save_and_load_through_the_json_record() -> None:
+    store: dict[str, bytes] = {}
+    original = _state_dict()
+    dcp_save(original, storage_writer=_MemoryWriter(store), no_dist=True)
+    assert json.loads(store[".metadata"])["format"] == FORMAT
+
+    target = _zeros_like(original)
+    target["step"], target["names"] = 0, []
+    dcp_load(target, storage_reader=_MemoryReader(store), no_dist=True)
+
+    for name, want in original["model"].items():
+        assert torch.equal(target["model"][name], want), name
+        assert target["model"][name].dtype == want.dtype
+    assert torch.equal(target["layers"][0], original["layers"][0])
+    assert torch.equal(target["layers"][1]["b"], original["layers"][1]["b"])
+    assert target["step"] == 12
+    assert target["names"] == ["a", "b"]
