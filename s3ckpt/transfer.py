@@ -19,7 +19,7 @@ from typing import Any, Protocol, TypeVar
 
 from .client import ClientHolder, map_error
 from .config import ResolvedConfig, S3Config
-from .errors import AccessDenied, ObjectNotFound, StorageError
+from .errors import AccessDenied, BucketNotFound, ObjectNotFound, StorageError
 
 __all__ = ["Payload", "Transfer", "TransferStats", "gather_or_cancel", "get_transfer"]
 
@@ -215,6 +215,16 @@ class Transfer:
         """
         with contextlib.suppress(AccessDenied):
             await self._call("head_bucket", bucket, None)
+
+    async def create_bucket(self, bucket: str) -> None:
+        """Create the bucket unless it exists (tools and the demo; checkpoints never create one)."""
+        try:
+            await self.check_bucket(bucket)
+        except BucketNotFound:
+            params = {}
+            if self.resolved.region != "us-east-1":
+                params["CreateBucketConfiguration"] = {"LocationConstraint": self.resolved.region}
+            await self._call("create_bucket", bucket, None, **params)
 
     async def list(
         self, bucket: str, prefix: str, *, limit: int | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -180,4 +181,38 @@ def test_prefix_at_bucket_root_or_deep(s3: Any, bucket: str, prefix: str) -> Non
     dcp.save(state, storage_writer=S3Writer(bucket, prefix, config=config))
     loaded = {"x": torch.zeros(8)}
     dcp.load(loaded, storage_reader=S3Reader(bucket, prefix, config=config))
+    assert torch.equal(loaded["x"], state["x"])
+
+
+def test_standard_aws_environment_needs_no_code(
+    s3: Any, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3.endpoint_url)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3.access_key_id)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3.secret_access_key)
+    monkeypatch.setenv("AWS_REGION", s3.region)
+    state = {"x": torch.randn(16)}
+    dcp.save(state, storage_writer=S3Writer(f"s3://{bucket}/env"))
+    loaded = {"x": torch.zeros(16)}
+    dcp.load(loaded, storage_reader=S3Reader(f"s3://{bucket}/env"))
+    assert torch.equal(loaded["x"], state["x"])
+
+
+def test_named_profile_from_aws_files(
+    s3: Any, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "config").write_text(
+        f"[profile onprem]\nregion = {s3.region}\nendpoint_url = {s3.endpoint_url}\n"
+    )
+    (tmp_path / "credentials").write_text(
+        f"[onprem]\naws_access_key_id = {s3.access_key_id}\n"
+        f"aws_secret_access_key = {s3.secret_access_key}\n"
+    )
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
+    monkeypatch.setenv("AWS_PROFILE", "onprem")
+    state = {"x": torch.randn(16)}
+    dcp.save(state, storage_writer=S3Writer(bucket, "profile"))
+    loaded = {"x": torch.zeros(16)}
+    dcp.load(loaded, storage_reader=S3Reader(bucket, "profile"))
     assert torch.equal(loaded["x"], state["x"])
