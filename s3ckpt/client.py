@@ -37,6 +37,11 @@ _ACCESS_CODES = {
     "AllAccessDisabled",
     "403",
 }
+_TRUNCATED = (
+    aiohttp.ClientPayloadError,
+    botocore.exceptions.ResponseStreamingError,
+    botocore.exceptions.IncompleteReadError,
+)
 _UNREACHABLE = (
     botocore.exceptions.EndpointConnectionError,
     botocore.exceptions.ConnectTimeoutError,
@@ -136,9 +141,16 @@ def map_error(
             status=None,
             **context,
         )
+    if isinstance(exc, _TRUNCATED):
+        return StorageError(
+            f"{operation} {where} at {endpoint}: the response broke off ({_cause(exc)})",
+            code="Truncated",
+            status=None,
+            **context,
+        )
     if isinstance(exc, _UNREACHABLE):
         return EndpointUnreachable(
-            f"{operation} {where}: cannot reach {endpoint} ({_cause(exc)})",
+            f"{operation} {where}: connection to {endpoint} failed ({_cause(exc)})",
             code=type(exc).__name__,
             status=None,
             **context,

@@ -43,6 +43,8 @@ class S3Config:
     """How to reach the object store, and how hard to push it.
 
     ``part_size x max_concurrency`` bounds the bytes held by in-flight requests per process.
+    A request is tried at most ``max_attempts`` times within ``retry_timeout`` seconds
+    (see `s3ckpt.retry` for what is retried).
     """
 
     endpoint_url: str | None = None
@@ -56,7 +58,8 @@ class S3Config:
     ca_bundle: str | None = None
     connect_timeout: float = 5.0
     read_timeout: float = 60.0
-    max_attempts: int = 4
+    max_attempts: int = 5
+    retry_timeout: float = 60.0
     part_size: int = 16 * MiB
     multipart_threshold: int = 16 * MiB
     max_concurrency: int = 16
@@ -76,6 +79,8 @@ class S3Config:
             raise ConfigError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
         if self.max_attempts < 1:
             raise ConfigError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.retry_timeout <= 0:
+            raise ConfigError(f"retry_timeout must be > 0 seconds, got {self.retry_timeout}")
         if self.connect_timeout <= 0 or self.read_timeout <= 0:
             raise ConfigError("connect_timeout and read_timeout must be > 0 seconds")
         if (self.access_key_id is None) != (self.secret_access_key is None):
@@ -163,7 +168,8 @@ class ResolvedConfig:
             "s3": {"addressing_style": self.addressing_style, "payload_signing_enabled": False},
             "connect_timeout": c.connect_timeout,
             "read_timeout": c.read_timeout,
-            "retries": {"mode": "standard", "total_max_attempts": c.max_attempts},
+            # s3ckpt retries (see retry.py); botocore's own retries would multiply the attempts.
+            "retries": {"mode": "standard", "total_max_attempts": 1},
             "max_pool_connections": c.max_concurrency + 4,
             "request_checksum_calculation": "when_required",
             "response_checksum_validation": "when_required",

@@ -11,19 +11,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import logging
 import math
 import os
-from collections.abc import Awaitable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from .client import ClientHolder, map_error
 from .config import ResolvedConfig, S3Config
 from .errors import AccessDenied, BucketNotFound, ObjectNotFound, StorageError
+from .retry import RetryPolicy
 
 __all__ = ["Payload", "Transfer", "TransferStats", "gather_or_cancel", "get_transfer"]
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 _MAX_PARTS = 10_000
 _READ_CHUNK = 1024 * 1024
 
@@ -42,6 +46,8 @@ class TransferStats:
     """Counters for one process and configuration; benchmarks and the tools read them."""
 
     requests: int = 0
+    failed_requests: int = 0
+    retries: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
 
@@ -49,10 +55,11 @@ class TransferStats:
 class Transfer:
     """S3 operations under one concurrency bound. Call only on the `bridge` loop."""
 
-    def __init__(self, resolved: ResolvedConfig) -> None:
+    def __init__(self, resolved: ResolvedConfig, retry: RetryPolicy | None = None) -> None:
         self.resolved = resolved
         self.config = resolved.config
         self.stats = TransferStats()
+        self.retry = retry or RetryPolicy(self.config.max_attempts, self.config.retry_timeout)
         self._clients = ClientHolder(self.resolved)
         self._slots: asyncio.Semaphore | None = None
 
@@ -66,14 +73,32 @@ class Transfer:
         return self._slots
 
     async def _call(self, operation: str, bucket: str, key: str | None, **params: Any) -> Any:
+        """One S3 operation, retried as `s3ckpt.retry` says."""
         client = await self._clients.get()
-        self.stats.requests += 1
-        try:
-            return await getattr(client, operation)(Bucket=bucket, **params)
-        except Exception as e:
-            raise map_error(
-                e, endpoint=self.endpoint, bucket=bucket, key=key, operation=operation
-            ) from e
+        method = getattr(client, operation)
+        return await self._retrying(operation, bucket, key, lambda: method(Bucket=bucket, **params))
+
+    async def _retrying(
+        self, operation: str, bucket: str, key: str | None, attempt: Callable[[], Awaitable[T]]
+    ) -> T:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        for number in itertools.count(1):
+            self.stats.requests += 1
+            try:
+                return await attempt()
+            except Exception as e:
+                self.stats.failed_requests += 1
+                error = map_error(
+                    e, endpoint=self.endpoint, bucket=bucket, key=key, operation=operation
+                )
+                if not self.retry.should_retry(error, number, loop.time() - started):
+                    raise error from e
+                delay = self.retry.delay(number)
+                log.warning("%s; attempt %d failed, retrying in %.2f s", error, number, delay)
+                self.stats.retries += 1
+                await asyncio.sleep(delay)
+        raise AssertionError("unreachable")
 
     async def put(self, bucket: str, key: str, body: bytes, *, if_none_match: bool = False) -> None:
         """One PutObject; ``if_none_match`` makes it fail (PreconditionFailed) if the key exists."""
@@ -96,6 +121,17 @@ class Transfer:
                 self._upload_part(bucket, key, upload_id, number, payload, start, part_size)
                 for number, start in enumerate(starts, 1)
             )
+            await self._complete(bucket, key, upload_id, parts, payload.size)
+        except BaseException:
+            await asyncio.shield(self.abort(bucket, key, upload_id))
+            raise
+
+    async def _complete(
+        self, bucket: str, key: str, upload_id: str, parts: list[dict[str, Any]], size: int
+    ) -> None:
+        """CompleteMultipartUpload. If a retry finds the upload gone, an earlier attempt may have
+        completed it with its answer lost: the object then exists with the expected size."""
+        try:
             await self._call(
                 "complete_multipart_upload",
                 bucket,
@@ -104,9 +140,10 @@ class Transfer:
                 UploadId=upload_id,
                 MultipartUpload={"Parts": parts},
             )
-        except BaseException:
-            await asyncio.shield(self.abort(bucket, key, upload_id))
-            raise
+        except ObjectNotFound:
+            head = await self.head(bucket, key)
+            if head is None or head.get("ContentLength") != size:
+                raise
 
     async def _create_upload(self, bucket: str, key: str) -> str:
         """CreateMultipartUpload that never leaks: if cancelled while the request is in flight,
@@ -164,17 +201,21 @@ class Transfer:
     ) -> memoryview:
         """Bytes ``[start, end)`` of an object, written into ``into`` or a new buffer.
 
-        The buffer is allocated only once a slot is held, so queued reads hold no memory.
+        The buffer is allocated only once a slot is held, so queued reads hold no memory. A body
+        that breaks off is retried from the first missing byte.
         """
         if end <= start:
             return memoryview(bytearray())
+        client = await self._clients.get()
         async with self._semaphore():
             sink = memoryview(bytearray(end - start)) if into is None else into
-            reply = await self._call(
-                "get_object", bucket, key, Key=key, Range=f"bytes={start}-{end - 1}"
-            )
             filled = 0
-            try:
+
+            async def attempt() -> None:
+                nonlocal filled
+                reply = await client.get_object(
+                    Bucket=bucket, Key=key, Range=f"bytes={start + filled}-{end - 1}"
+                )
                 async with reply["Body"] as body:
                     while filled < len(sink):
                         chunk = await body.read(min(_READ_CHUNK, len(sink) - filled))
@@ -182,22 +223,20 @@ class Transfer:
                             break
                         sink[filled : filled + len(chunk)] = chunk
                         filled += len(chunk)
-            except Exception as e:
-                raise map_error(
-                    e, endpoint=self.endpoint, bucket=bucket, key=key, operation="get_object"
-                ) from e
-        self.stats.bytes_received += filled
-        if filled != len(sink):
-            raise StorageError(
-                f"get_object s3://{bucket}/{key} bytes {start}-{end - 1} at {self.endpoint}: "
-                f"response ended after {filled} of {len(sink)} bytes",
-                endpoint=self.endpoint,
-                bucket=bucket,
-                key=key,
-                operation="get_object",
-                code="Truncated",
-                status=None,
-            )
+                        self.stats.bytes_received += len(chunk)
+                if filled != len(sink):
+                    raise StorageError(
+                        f"get_object s3://{bucket}/{key} bytes {start}-{end - 1} at "
+                        f"{self.endpoint}: response ended after {filled} of {len(sink)} bytes",
+                        endpoint=self.endpoint,
+                        bucket=bucket,
+                        key=key,
+                        operation="get_object",
+                        code="Truncated",
+                        status=None,
+                    )
+
+            await self._retrying("get_object", bucket, key, attempt)
         return sink
 
     async def head(self, bucket: str, key: str) -> dict[str, Any] | None:

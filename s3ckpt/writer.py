@@ -189,33 +189,30 @@ class S3Writer(StorageWriter):
             raise
 
     async def _commit(self, record: bytes, keys: list[str]) -> None:
-        transfer, bucket, meta_key = (
-            self._transfer,
-            self.location.bucket,
-            self.location.metadata_key,
-        )
+        transfer, location = self._transfer, self.location
         previous = await self._previous_objects() if self.overwrite else set()
         try:
-            await transfer.put(bucket, meta_key, record, if_none_match=not self.overwrite)
+            await transfer.put(
+                location.bucket, location.metadata_key, record, if_none_match=not self.overwrite
+            )
         except PreconditionFailed as e:
-            await asyncio.shield(self._delete_quietly(keys))
-            raise CheckpointExists(
-                f"{self.checkpoint_id}: another save committed first; this save's data was deleted",
-                url=self.checkpoint_id,
-            ) from e
+            # A retried PUT whose first attempt landed also meets a 412: that commit is ours.
+            if await transfer.get(location.bucket, location.metadata_key) != record:
+                await asyncio.shield(self._delete_quietly(keys))
+                raise CheckpointExists(
+                    f"{self.checkpoint_id}: another save committed first; this save's data was "
+                    "deleted",
+                    url=self.checkpoint_id,
+                ) from e
         except BaseException:
             await asyncio.shield(self._delete_quietly(keys))
             raise
         stale = previous - set(keys)
         if stale:
             try:
-                await transfer.delete(bucket, stale)
+                await transfer.delete(location.bucket, stale)
             except S3CkptError as e:
-                log.warning(
-                    "%s: committed, but old data objects were not deleted: %s",
-                    self.checkpoint_id,
-                    e,
-                )
+                log.warning("%s: committed; old data objects not deleted: %s", location.url, e)
 
     async def _previous_objects(self) -> set[str]:
         """Data keys of the committed checkpoint being replaced (to delete after the commit)."""
