@@ -14,7 +14,11 @@ How DCP drives it (torch 2.13; see ``torch/distributed/checkpoint/storage.py``):
    the commit. A failed commit deletes the save's objects.
 
 Data objects of a multi-rank save whose other ranks failed are not referenced by any
-``.metadata`` and are left for garbage collection. One save at a time per writer.
+``.metadata`` and are left for garbage collection.
+
+The writer is also DCP's stager (``dcp.async_save`` uses it when no ``async_stager`` is given): it
+copies the state into CPU buffers kept across saves (see `s3ckpt.staging`). One save runs at a
+time per writer: a new save on it first waits until the previous one has finished.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ import logging
 import math
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future as ConcurrentFuture
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +46,7 @@ from .config import S3Config
 from .errors import CheckpointExists, PreconditionFailed, S3CkptError
 from .layout import Location
 from .metadata import Locator, decode, encode
+from .staging import StagingBuffers
 from .tensorbytes import as_flat_bytes, memory_of
 from .transfer import Transfer, gather_or_cancel, get_transfer
 
@@ -65,7 +72,12 @@ class S3Writer(StorageWriter):
         config: connection settings; default `S3Config()` reads the standard AWS sources.
         overwrite: replace a committed checkpoint at the prefix instead of failing.
         objects_per_rank: most data objects one rank writes; more objects upload in parallel.
+        async_staging: stage in a background thread; ``dcp.async_save`` then returns an
+            ``AsyncSaveResponse`` whose ``staging_completion`` must finish before the state
+            dict's tensors are modified (e.g. before the next ``optimizer.step()``).
     """
+
+    _synchronize_after_execute = False
 
     def __init__(
         self,
@@ -75,6 +87,7 @@ class S3Writer(StorageWriter):
         config: S3Config | None = None,
         overwrite: bool = False,
         objects_per_rank: int = 4,
+        async_staging: bool = False,
     ) -> None:
         super().__init__()
         if objects_per_rank < 1:
@@ -83,8 +96,47 @@ class S3Writer(StorageWriter):
         self.config = config or S3Config()
         self.overwrite = overwrite
         self.objects_per_rank = objects_per_rank
+        self.async_staging = async_staging
         self.is_coordinator = False
         self._save_id: str | None = None
+        self._staging = StagingBuffers()
+        self._stager_thread: ThreadPoolExecutor | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # PROCESS mode pickles the writer on every save: never ship buffers, threads or locks.
+        state = dict(self.__dict__)
+        state["_staging"] = None
+        state["_stager_thread"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._staging = StagingBuffers()
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return self._synchronize_after_execute
+
+    def stage(
+        self, state_dict: dict[str, Any]
+    ) -> dict[str, Any] | ConcurrentFuture[dict[str, Any]]:
+        """Copy the state into this writer's CPU staging buffers (DCP's AsyncStager protocol)."""
+        if not self.async_staging:
+            return self._staging.stage(state_dict)
+        if self._stager_thread is None:
+            self._stager_thread = ThreadPoolExecutor(1, thread_name_prefix="s3ckpt-stage")
+        return self._stager_thread.submit(self._staging.stage, state_dict)
+
+    def synchronize_staging(self) -> None:
+        """Staging is complete when `stage` returns (or its future resolves)."""
+
+    def close(self) -> None:
+        """Release the staging buffers (pinned memory included) and the staging thread."""
+        self._staging.wait_for_previous_save()
+        self._staging.release()
+        if self._stager_thread is not None:
+            self._stager_thread.shutdown(wait=True)
+            self._stager_thread = None
 
     @property
     def checkpoint_id(self) -> str:
@@ -95,11 +147,13 @@ class S3Writer(StorageWriter):
         return isinstance(checkpoint_id, str) and checkpoint_id.startswith("s3://")
 
     def reset(self, checkpoint_id: str | Any = None) -> None:
+        self._staging.wait_for_previous_save()
         if checkpoint_id is not None:
             self.location = self.location.moved_to(str(checkpoint_id))
         self._save_id = None
 
     def storage_meta(self) -> StorageMeta:
+        self._staging.save_started()
         return StorageMeta(checkpoint_id=self.checkpoint_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, **kwargs: Any) -> None:

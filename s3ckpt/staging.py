@@ -1,0 +1,93 @@
+"""Staging for ``dcp.async_save``: copy the state into CPU buffers that live across saves.
+
+The stall a training loop sees is this copy. DCP's default stager allocates fresh CPU memory on
+every save, which costs several times the copy itself; `StagingBuffers` keeps its buffers (pinned
+when the state lives on an accelerator) and allocates again only when the state's structure,
+shapes or dtypes change.
+
+Buffers are reused only when that is provably safe: the save that read them started on this
+writer (its ``storage_meta`` claimed them) and its thread has finished. So a second ``async_save``
+on the same writer first waits for the previous save to finish; a save that ran elsewhere (PROCESS
+mode pickles the writer into another process) never lets its buffers be reused, and the next
+save stages into fresh memory as DCP's default would.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["StagingBuffers"]
+
+
+class StagingBuffers:
+    """Reusable CPU copies of a state dict, and the bookkeeping that makes reuse safe."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, Any] | None = None
+        self._signature: Any = None
+        self._pinned = False
+        self._claimed = True
+        self._save_thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """A copy of ``state_dict`` on the CPU that later training steps cannot change."""
+        self.wait_for_previous_save()
+        with self._lock:
+            signature, on_accelerator = _describe(state_dict)
+            if self._buffers is None or signature != self._signature or not self._claimed:
+                self._pinned = on_accelerator and torch.cuda.is_available()
+                self._buffers = _create_cpu_state_dict(state_dict, pin_memory=self._pinned)
+                self._signature = signature
+            staged = _copy_state_dict(
+                state_dict, self._buffers, non_blocking=self._pinned, type_check=False
+            )
+            if self._pinned:
+                torch.cuda.synchronize()
+            self._claimed = False
+            return staged
+
+    def save_started(self) -> None:
+        """Called as a save begins on this writer: it now owns the staged buffers."""
+        self.wait_for_previous_save()
+        with self._lock:
+            self._claimed = True
+            self._save_thread = threading.current_thread()
+
+    def wait_for_previous_save(self) -> None:
+        """Block until the save last started on this writer (in another thread) has finished."""
+        thread = self._save_thread
+        if thread is not None and thread is not threading.current_thread() and thread.is_alive():
+            thread.join()
+
+    def release(self) -> None:
+        with self._lock:
+            self._buffers = None
+            self._signature = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held in staging buffers (0 after `release`)."""
+        leaves, _ = tree_flatten(self._buffers)
+        return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+
+
+def _describe(state_dict: dict[str, Any]) -> tuple[Any, bool]:
+    """What must match for buffers to be reused: structure, and each tensor's shape and dtype."""
+    leaves, spec = tree_flatten(state_dict)
+    shapes: list[Any] = []
+    on_accelerator = False
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            local = leaf.to_local() if isinstance(leaf, DTensor) else leaf
+            shapes.append((tuple(local.shape), local.dtype))
+            on_accelerator |= local.device.type not in ("cpu", "meta")
+        else:
+            shapes.append(type(leaf))
+    return (spec, tuple(shapes)), on_accelerator
