@@ -27,7 +27,7 @@ from .config import MiB, S3Config
 from .errors import CheckpointNotFound, IncompleteCheckpoint, MetadataError, ObjectNotFound
 from .layout import Location
 from .metadata import Checkpoint, Locator, decode
-from .readplan import Fetch, Target, deliver, plan_fetches
+from .readplan import Fetch, Target, destinations, plan_fetches
 from .tensorbytes import memory_of
 from .transfer import Transfer, gather_or_cancel, get_transfer
 
@@ -125,14 +125,16 @@ class S3Reader(StorageReader):
 
     async def _read_checkpoint(self) -> Checkpoint:
         transfer, location = self._transfer, self.location
+        bucket, listing = location.bucket, location.listing_prefix
         try:
-            raw = await transfer.get(location.bucket, location.metadata_key)
+            raw = await transfer.get(bucket, location.metadata_key)
         except ObjectNotFound:
-            found = await transfer.list(location.bucket, location.listing_prefix, limit=1)
+            found = [key for key, _ in await transfer.list(bucket, listing, limit=1)]
+            found = found or [key for key, _ in await transfer.list_uploads(bucket, listing)]
             if found:
                 raise IncompleteCheckpoint(
-                    f"{location.url} is incomplete: objects exist (e.g. s3://{location.bucket}/"
-                    f"{found[0][0]}) but no .metadata — a save failed, was killed, or is running",
+                    f"{location.url} is incomplete: objects or uploads exist (e.g. s3://{bucket}/"
+                    f"{found[0]}) but no .metadata — a save failed, was killed, or is running",
                     url=location.url,
                 ) from None
             raise CheckpointNotFound(
@@ -211,15 +213,23 @@ class S3Reader(StorageReader):
                 finishers[number]()
 
         async def one(fetch: Fetch) -> None:
-            data = await transfer.get_range(bucket, fetch.key, fetch.start, fetch.end, fetch.direct)
-            if fetch.direct is None:
-                await loop.run_in_executor(None, deliver, fetch, data)
+            async with transfer.slot():
+                segments, buffered = destinations(fetch)
+                await transfer.get_scattered(bucket, fetch.key, fetch.start, fetch.end, segments)
+                if buffered:
+                    await loop.run_in_executor(None, _place_all, buffered)
             for target in fetch.targets:
                 remaining[target.item] -= 1
                 if remaining[target.item] == 0:
                     finishers[target.item]()
 
         await gather_or_cancel(one(fetch) for fetch in fetches)
+
+
+def _place_all(buffered: list[tuple[Target, memoryview]]) -> None:
+    for target, data in buffered:
+        if target.place is not None:
+            target.place(data)
 
 
 class _Placer:

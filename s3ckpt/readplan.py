@@ -4,8 +4,9 @@ A `Target` is one destination of bytes: either a memory region that receives an 
 (zero-copy into the destination tensor) or a function that consumes the range's bytes (copies into
 a strided destination, or hands non-tensor bytes to the planner). `plan_fetches` merges targets in
 the same object whose ranges are close (one round trip beats a few wasted bytes), splits large
-zero-copy targets so they download concurrently, and caps every buffered fetch's size, so the
-memory a load holds beyond its destinations is bounded by ``max_size x concurrency``.
+zero-copy targets so they download concurrently, and caps every fetch's size. A fetch streams
+into its zero-copy targets directly; only the other targets get a buffer (`destinations`), so the
+memory a load holds beyond its destination tensors is bounded by ``max_size x concurrency``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 
 from .ranges import coalesce, split_range
 
-__all__ = ["Fetch", "Target", "plan_fetches"]
+__all__ = ["Fetch", "Target", "destinations", "plan_fetches"]
 
 
 @dataclass(eq=False)
@@ -36,14 +37,12 @@ class Target:
 
 @dataclass(eq=False)
 class Fetch:
-    """One ranged GET. With ``direct`` set it lands in that view; else in a fresh buffer that is
-    then handed to each target."""
+    """One ranged GET serving ``targets``."""
 
     key: str
     start: int
     end: int
     targets: list[Target] = field(default_factory=list)
-    direct: memoryview | None = None
 
 
 def plan_fetches(targets: Sequence[Target], *, max_gap: int, max_size: int) -> list[Fetch]:
@@ -55,13 +54,7 @@ def plan_fetches(targets: Sequence[Target], *, max_gap: int, max_size: int) -> l
     fetches: list[Fetch] = []
     for key, group in sorted(by_key.items()):
         merged = coalesce([(t.start, t.end) for t in group], max_gap=max_gap, max_size=max_size)
-        for m in merged:
-            members = [group[i] for i in m.members]
-            only = members[0]
-            if len(members) == 1 and only.sink is not None:
-                fetches.append(Fetch(key, m.start, m.end, members, direct=only.sink))
-            else:
-                fetches.append(Fetch(key, m.start, m.end, members))
+        fetches.extend(Fetch(key, m.start, m.end, [group[i] for i in m.members]) for m in merged)
     return fetches
 
 
@@ -75,11 +68,17 @@ def _split(target: Target, max_size: int) -> list[Target]:
     ]
 
 
-def deliver(fetch: Fetch, data: memoryview) -> None:
-    """Hand a buffered fetch's bytes to its targets (copies; run it off the event loop)."""
+def destinations(
+    fetch: Fetch,
+) -> tuple[list[tuple[int, memoryview]], list[tuple[Target, memoryview]]]:
+    """Where a fetch's bytes go: ``(offset, view)`` segments for the download to fill, and the
+    targets whose bytes land in a fresh buffer first (call this once a request slot is held)."""
+    segments: list[tuple[int, memoryview]] = []
+    buffered: list[tuple[Target, memoryview]] = []
     for target in fetch.targets:
-        piece = data[target.start - fetch.start : target.end - fetch.start]
-        if target.sink is not None:
-            target.sink[:] = piece
-        elif target.place is not None:
-            target.place(piece)
+        view = target.sink
+        if view is None:
+            view = memoryview(bytearray(target.end - target.start))
+            buffered.append((target, view))
+        segments.append((target.start, view))
+    return segments, buffered

@@ -15,10 +15,11 @@ import itertools
 import logging
 import math
 import os
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+from .buffers import PartBuffers, Scatter
 from .client import ClientHolder, map_error
 from .config import ResolvedConfig, S3Config
 from .errors import AccessDenied, BucketNotFound, ObjectNotFound, StorageError
@@ -33,12 +34,14 @@ _READ_CHUNK = 1024 * 1024
 
 
 class Payload(Protocol):
-    """The bytes of one object to upload, produced part by part (maybe copying)."""
+    """The bytes of one object to upload, produced part by part."""
 
     @property
     def size(self) -> int: ...
 
-    def read(self, start: int, end: int) -> bytes | bytearray | memoryview: ...
+    def read(self, start: int, end: int, scratch: memoryview) -> memoryview:
+        """Bytes ``[start, end)``: a view of existing memory, or ``scratch`` filled with them."""
+        ...
 
 
 @dataclass
@@ -62,6 +65,7 @@ class Transfer:
         self.retry = retry or RetryPolicy(self.config.max_attempts, self.config.retry_timeout)
         self._clients = ClientHolder(self.resolved)
         self._slots: asyncio.Semaphore | None = None
+        self._parts = PartBuffers(max(self.config.part_size, self.config.multipart_threshold))
 
     @property
     def endpoint(self) -> str:
@@ -100,7 +104,9 @@ class Transfer:
                 await asyncio.sleep(delay)
         raise AssertionError("unreachable")
 
-    async def put(self, bucket: str, key: str, body: bytes, *, if_none_match: bool = False) -> None:
+    async def put(
+        self, bucket: str, key: str, body: bytes | memoryview, *, if_none_match: bool = False
+    ) -> None:
         """One PutObject; ``if_none_match`` makes it fail (PreconditionFailed) if the key exists."""
         extra = {"IfNoneMatch": "*"} if if_none_match else {}
         await self._call("put_object", bucket, key, Key=key, Body=body, **extra)
@@ -108,23 +114,25 @@ class Transfer:
 
     async def upload(self, bucket: str, key: str, payload: Payload) -> None:
         """One PutObject up to the multipart threshold, else a multipart upload."""
-        if payload.size <= self.config.multipart_threshold:
-            async with self._semaphore():
-                body = await _read(payload, 0, payload.size)
-                await self.put(bucket, key, bytes(body) if isinstance(body, bytearray) else body)
-            return
-        upload_id = await self._create_upload(bucket, key)
-        try:
-            part_size = max(self.config.part_size, math.ceil(payload.size / _MAX_PARTS))
-            starts = range(0, payload.size, part_size)
-            parts = await gather_or_cancel(
-                self._upload_part(bucket, key, upload_id, number, payload, start, part_size)
-                for number, start in enumerate(starts, 1)
-            )
-            await self._complete(bucket, key, upload_id, parts, payload.size)
-        except BaseException:
-            await asyncio.shield(self.abort(bucket, key, upload_id))
-            raise
+        with self._parts.held():
+            if payload.size <= self.config.multipart_threshold:
+                async with self._semaphore():
+                    with self._parts.borrow(payload.size) as scratch:
+                        body = await _read(payload, 0, payload.size, scratch)
+                        await self.put(bucket, key, body)
+                return
+            upload_id = await self._create_upload(bucket, key)
+            try:
+                part_size = max(self.config.part_size, math.ceil(payload.size / _MAX_PARTS))
+                starts = range(0, payload.size, part_size)
+                parts = await gather_or_cancel(
+                    self._upload_part(bucket, key, upload_id, number, payload, start, part_size)
+                    for number, start in enumerate(starts, 1)
+                )
+                await self._complete(bucket, key, upload_id, parts, payload.size)
+            except BaseException:
+                await asyncio.shield(self.abort(bucket, key, upload_id))
+                raise
 
     async def _complete(
         self, bucket: str, key: str, upload_id: str, parts: list[dict[str, Any]], size: int
@@ -169,16 +177,17 @@ class Transfer:
     ) -> dict[str, Any]:
         end = min(start + size, payload.size)
         async with self._semaphore():
-            body = await _read(payload, start, end)
-            reply = await self._call(
-                "upload_part",
-                bucket,
-                key,
-                Key=key,
-                UploadId=upload_id,
-                PartNumber=number,
-                Body=body,
-            )
+            with self._parts.borrow(end - start) as scratch:
+                body = await _read(payload, start, end, scratch)
+                reply = await self._call(
+                    "upload_part",
+                    bucket,
+                    key,
+                    Key=key,
+                    UploadId=upload_id,
+                    PartNumber=number,
+                    Body=body,
+                )
         self.stats.bytes_sent += end - start
         return {"PartNumber": number, "ETag": reply["ETag"]}
 
@@ -196,48 +205,60 @@ class Transfer:
         self.stats.bytes_received += len(data)
         return data
 
-    async def get_range(
-        self, bucket: str, key: str, start: int, end: int, into: memoryview | None = None
-    ) -> memoryview:
-        """Bytes ``[start, end)`` of an object, written into ``into`` or a new buffer.
+    def slot(self) -> asyncio.Semaphore:
+        """One of the ``max_concurrency`` request slots; hold it around `get_scattered`."""
+        return self._semaphore()
 
-        The buffer is allocated only once a slot is held, so queued reads hold no memory. A body
-        that breaks off is retried from the first missing byte.
-        """
+    async def get_range(self, bucket: str, key: str, start: int, end: int) -> memoryview:
+        """Bytes ``[start, end)`` of an object in a new buffer, allocated once a slot is held."""
         if end <= start:
             return memoryview(bytearray())
-        client = await self._clients.get()
         async with self._semaphore():
-            sink = memoryview(bytearray(end - start)) if into is None else into
-            filled = 0
-
-            async def attempt() -> None:
-                nonlocal filled
-                reply = await client.get_object(
-                    Bucket=bucket, Key=key, Range=f"bytes={start + filled}-{end - 1}"
-                )
-                async with reply["Body"] as body:
-                    while filled < len(sink):
-                        chunk = await body.read(min(_READ_CHUNK, len(sink) - filled))
-                        if not chunk:
-                            break
-                        sink[filled : filled + len(chunk)] = chunk
-                        filled += len(chunk)
-                        self.stats.bytes_received += len(chunk)
-                if filled != len(sink):
-                    raise StorageError(
-                        f"get_object s3://{bucket}/{key} bytes {start}-{end - 1} at "
-                        f"{self.endpoint}: response ended after {filled} of {len(sink)} bytes",
-                        endpoint=self.endpoint,
-                        bucket=bucket,
-                        key=key,
-                        operation="get_object",
-                        code="Truncated",
-                        status=None,
-                    )
-
-            await self._retrying("get_object", bucket, key, attempt)
+            sink = memoryview(bytearray(end - start))
+            await self.get_scattered(bucket, key, start, end, [(start, sink)])
         return sink
+
+    async def get_scattered(
+        self,
+        bucket: str,
+        key: str,
+        start: int,
+        end: int,
+        segments: Sequence[tuple[int, memoryview]],
+    ) -> None:
+        """Stream bytes ``[start, end)`` of an object into the views that want them.
+
+        Each segment ``(offset, view)`` receives the bytes from absolute ``offset`` on; bytes
+        between segments are read and dropped. The caller holds a `slot`. A body that breaks off
+        is retried from the first missing byte.
+        """
+        client = await self._clients.get()
+        scatter = Scatter(start, segments)
+
+        async def attempt() -> None:
+            reply = await client.get_object(
+                Bucket=bucket, Key=key, Range=f"bytes={scatter.position}-{end - 1}"
+            )
+            async with reply["Body"] as body:
+                while scatter.position < end:
+                    chunk = await body.read(min(_READ_CHUNK, end - scatter.position))
+                    if not chunk:
+                        break
+                    scatter.write(chunk)
+                    self.stats.bytes_received += len(chunk)
+            if scatter.position != end:
+                raise StorageError(
+                    f"get_object s3://{bucket}/{key} bytes {start}-{end - 1} at "
+                    f"{self.endpoint}: response ended at byte {scatter.position}",
+                    endpoint=self.endpoint,
+                    bucket=bucket,
+                    key=key,
+                    operation="get_object",
+                    code="Truncated",
+                    status=None,
+                )
+
+        await self._retrying("get_object", bucket, key, attempt)
 
     async def head(self, bucket: str, key: str) -> dict[str, Any] | None:
         """The object's headers, or ``None`` if it does not exist."""
@@ -324,9 +345,10 @@ class Transfer:
             }
 
 
-async def _read(payload: Payload, start: int, end: int) -> bytes | bytearray | memoryview:
+async def _read(payload: Payload, start: int, end: int, scratch: memoryview) -> memoryview:
     # Producing a part may copy megabytes (or come from an accelerator); keep it off the loop.
-    return await asyncio.get_running_loop().run_in_executor(None, payload.read, start, end)
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(None, payload.read, start, end, scratch)
 
 
 async def gather_or_cancel(aws: Iterable[Awaitable[T]]) -> list[T]:

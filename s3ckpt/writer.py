@@ -300,8 +300,8 @@ class S3Writer(StorageWriter):
 class _Packed:
     """Items stored back to back in one object; parts are produced on demand.
 
-    A part lying inside one CPU tensor is a zero-copy view; any other part is assembled into a
-    fresh buffer (copying from accelerator memory if the tensor lives there).
+    A part lying inside one CPU tensor is a zero-copy view; any other part is assembled in the
+    scratch buffer the transfer engine lends (copying from accelerator memory if need be).
     """
 
     def __init__(self, values: list[torch.Tensor | bytes]) -> None:
@@ -312,7 +312,7 @@ class _Packed:
             self.starts[i] = self.starts[i - 1] + self.lengths[i - 1]
         self.size = sum(self.lengths)
 
-    def read(self, start: int, end: int) -> bytes | bytearray | memoryview:
+    def read(self, start: int, end: int, scratch: memoryview) -> memoryview:
         pieces = [
             (i, max(start, s) - s, min(end, s + n) - s)
             for i, (s, n) in enumerate(zip(self.starts, self.lengths, strict=True))
@@ -325,17 +325,17 @@ class _Packed:
                 return memoryview(value)[lo:hi]
             if value.device.type == "cpu":
                 return memory_of(value)[lo:hi]
-        out = bytearray(end - start)
-        view = memoryview(out)
+        out = scratch[: end - start]
         at = 0
         for i, lo, hi in pieces:
             value = self._values[i]
             if isinstance(value, torch.Tensor):
+                # torch copies without the GIL, so parts are assembled in parallel.
                 torch.frombuffer(out, dtype=torch.uint8, offset=at, count=hi - lo).copy_(
                     value[lo:hi]
                 )
             else:
-                view[at : at + hi - lo] = value[lo:hi]
+                out[at : at + hi - lo] = value[lo:hi]
             at += hi - lo
         return out
 
