@@ -197,11 +197,28 @@ class Transfer:
             await self._call("abort_multipart_upload", bucket, key, Key=key, UploadId=upload_id)
 
     async def get(self, bucket: str, key: str) -> bytes:
-        """A whole object (for small ones such as ``.metadata``)."""
-        async with self._semaphore():
-            reply = await self._call("get_object", bucket, key, Key=key)
+        """A whole object (for small ones such as ``.metadata``); a broken body is retried."""
+        client = await self._clients.get()
+
+        async def attempt() -> bytes:
+            reply = await client.get_object(Bucket=bucket, Key=key)
             async with reply["Body"] as body:
                 data: bytes = await body.read()
+            if len(data) != reply["ContentLength"]:
+                raise StorageError(
+                    f"get_object s3://{bucket}/{key} at {self.endpoint}: response ended after "
+                    f"{len(data)} of {reply['ContentLength']} bytes",
+                    endpoint=self.endpoint,
+                    bucket=bucket,
+                    key=key,
+                    operation="get_object",
+                    code="Truncated",
+                    status=None,
+                )
+            return data
+
+        async with self._semaphore():
+            data = await self._retrying("get_object", bucket, key, attempt)
         self.stats.bytes_received += len(data)
         return data
 
