@@ -14,7 +14,7 @@ import botocore.exceptions
 from aiobotocore.config import AioConfig
 from aiobotocore.session import get_session
 
-from . import bridge
+from . import bridge, redact
 from .config import ResolvedConfig
 from .errors import (
     AccessDenied,
@@ -77,6 +77,10 @@ class ClientHolder:
                 )
                 client = await self._stack.enter_async_context(creator)
                 client.meta.events.register("before-call.s3.DeleteObjects", _add_content_md5)
+                credentials = client._get_credentials()
+                if credentials is not None:
+                    frozen = await credentials.get_frozen_credentials()
+                    redact.install([frozen.secret_key, frozen.token])
                 bridge.on_shutdown(self._stack.aclose)
                 self._client = client
         return self._client

@@ -121,7 +121,7 @@ class Transfer:
                         body = await _read(payload, 0, payload.size, scratch)
                         await self.put(bucket, key, body)
                 return
-            upload_id = await self._create_upload(bucket, key)
+            upload_id, retried = await self._create_upload(bucket, key)
             try:
                 part_size = max(self.config.part_size, math.ceil(payload.size / _MAX_PARTS))
                 starts = range(0, payload.size, part_size)
@@ -133,6 +133,9 @@ class Transfer:
             except BaseException:
                 await asyncio.shield(self.abort(bucket, key, upload_id))
                 raise
+            finally:
+                if retried:
+                    await asyncio.shield(self._abort_strays(bucket, key))
 
     async def _complete(
         self, bucket: str, key: str, upload_id: str, parts: list[dict[str, Any]], size: int
@@ -153,17 +156,38 @@ class Transfer:
             if head is None or head.get("ContentLength") != size:
                 raise
 
-    async def _create_upload(self, bucket: str, key: str) -> str:
-        """CreateMultipartUpload that never leaks: if cancelled while the request is in flight,
-        wait for the server's answer and abort the upload it created."""
-        create = asyncio.ensure_future(self._call("create_multipart_upload", bucket, key, Key=key))
+    async def _create_upload(self, bucket: str, key: str) -> tuple[str, bool]:
+        """CreateMultipartUpload; also says whether it was sent more than once.
+
+        If cancelled while the request is in flight, it waits for the answer and aborts the
+        upload the server created. A retried create may have created an upload whose answer was
+        lost: the caller then aborts the strays under the key (`_abort_strays`).
+        """
+        client = await self._clients.get()
+        sent = 0
+
+        async def attempt() -> Any:
+            nonlocal sent
+            sent += 1
+            return await client.create_multipart_upload(Bucket=bucket, Key=key)
+
+        create = asyncio.ensure_future(
+            self._retrying("create_multipart_upload", bucket, key, attempt)
+        )
         try:
             created = await asyncio.shield(create)
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
                 await self.abort(bucket, key, (await create)["UploadId"])
             raise
-        return str(created["UploadId"])
+        return str(created["UploadId"]), sent > 1
+
+    async def _abort_strays(self, bucket: str, key: str) -> None:
+        """Abort every upload left under ``key`` (keys are unique per save, so all are ours)."""
+        with contextlib.suppress(StorageError):
+            for found, upload_id in await self.list_uploads(bucket, key):
+                if found == key:
+                    await self.abort(bucket, key, upload_id)
 
     async def _upload_part(
         self,
