@@ -92,3 +92,23 @@ def process_mode_round_trip(rank: int, port: int, config: S3Config, url: str) ->
             assert torch.equal(loaded[name], tensor), name
     finally:
         dist.destroy_process_group()
+
+
+def save_big(config: S3Config, url: str, overwrite: bool) -> None:
+    """A save slow enough to be killed in the middle of its upload."""
+    generator = torch.Generator().manual_seed(99)
+    state = {"big": torch.randn(48 * 1024 * 1024 // 4 * 2, generator=generator)}
+    dcp.save(state, storage_writer=S3Writer(url, config=config, overwrite=overwrite))
+
+
+def save_racing(config: S3Config, url: str, fill: float, barrier: Any, results: Any) -> None:
+    """One of two processes saving to the same prefix at the same moment."""
+    state = {"w": torch.full((1_000_000,), fill)}
+    barrier.wait(timeout=60)
+    try:
+        dcp.save(state, storage_writer=S3Writer(url, config=config))
+        results.put((fill, "committed"))
+    except BaseException as e:
+        failures = getattr(e, "failures", None)
+        cause = next(iter(failures.values()))[0] if failures else e
+        results.put((fill, type(cause).__name__))
