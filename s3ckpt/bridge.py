@@ -60,14 +60,14 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
         raise
 
 
-def to_torch_future(done: concurrent.futures.Future[Any], value: T) -> torch.futures.Future[T]:
-    """A torch Future (what DCP waits on) that completes with ``value`` when ``done`` does."""
+def to_torch_future(done: concurrent.futures.Future[T]) -> torch.futures.Future[T]:
+    """A torch Future (what DCP waits on) that completes as ``done`` does."""
     future: torch.futures.Future[T] = torch.futures.Future()
 
-    def complete(cf: concurrent.futures.Future[Any]) -> None:
+    def complete(cf: concurrent.futures.Future[T]) -> None:
         error = concurrent.futures.CancelledError() if cf.cancelled() else cf.exception()
         if error is None:
-            future.set_result(value)
+            future.set_result(cf.result())
         else:
             future.set_exception(error)
 

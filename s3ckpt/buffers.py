@@ -62,6 +62,11 @@ class Scatter:
         self._starts = [offset for offset, _ in self._segments]
         self._first = 0
 
+    def rewind(self, position: int) -> None:
+        """Continue from an earlier ``position`` (a retry re-reads from there)."""
+        self.position = position
+        self._first = 0
+
     def write(self, data: bytes | memoryview) -> None:
         begin, end = self.position, self.position + len(data)
         while self._first < len(self._segments):

@@ -10,7 +10,8 @@ why. All of them pickle, because DCP ships a failing rank's exception to the coo
     │   ├── AccessDenied          bad or missing credentials, or a policy refused the request
     │   ├── BucketNotFound
     │   ├── ObjectNotFound
-    │   └── PreconditionFailed    a conditional write lost (the object exists)
+    │   ├── PreconditionFailed    a conditional write lost (the object exists)
+    │   └── ChecksumMismatch      stored bytes differ from the checksum the commit recorded
     └── CheckpointError           the checkpoint itself is wrong
         ├── CheckpointNotFound    nothing at all under the prefix
         ├── IncompleteCheckpoint  objects but no committed ``.metadata``
@@ -28,6 +29,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointExists",
     "CheckpointNotFound",
+    "ChecksumMismatch",
     "ConfigError",
     "EndpointUnreachable",
     "IncompleteCheckpoint",
@@ -93,6 +95,14 @@ class ObjectNotFound(StorageError):
 
 class PreconditionFailed(StorageError):
     """A conditional request (``If-None-Match: *``) found the object already there."""
+
+
+class ChecksumMismatch(StorageError):
+    """Bytes read from an object do not match their CRC32C in the commit record.
+
+    Attributes ``start`` and ``end`` (the byte range checked), ``expected`` and ``actual``.
+    Retried like a transient failure (damage in transit); raised if it persists (damage at rest).
+    """
 
 
 class CheckpointError(S3CkptError):

@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from .errors import MetadataError
+from .frames import FrameTable
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "Checkpoint", "Locator", "decode", "encode"]
 
@@ -128,7 +129,8 @@ class Checkpoint:
     """A decoded commit record.
 
     ``metadata.storage_data`` is ``locators`` too, which is what DCP hands back to the storage
-    reader; ``objects`` lists every data object (key relative to the prefix -> size in bytes).
+    reader; ``objects`` lists every data object (key relative to the prefix -> size in bytes)
+    and ``frames`` how each is framed and checksummed.
     """
 
     metadata: Metadata
@@ -137,6 +139,7 @@ class Checkpoint:
     created: float
     objects: dict[str, int]
     extra: dict[str, Any]
+    frames: dict[str, FrameTable]
 
 
 @contextlib.contextmanager
@@ -218,6 +221,7 @@ def encode(
     save_id: str,
     created: float,
     objects: Mapping[str, int],
+    frames: Mapping[str, FrameTable],
     extra: Mapping[str, Any] | None = None,
 ) -> bytes:
     """Serialize a commit record; raises MetadataError rather than commit one that cannot load.
@@ -228,6 +232,11 @@ def encode(
     try:
         with _gc_paused():
             record = _encode_record(metadata, locators, save_id, created, objects, extra)
+            if set(frames) != set(objects) or any(
+                frames[k].size != size for k, size in objects.items()
+            ):
+                _fail("frames: every object needs a frame table matching its size")
+            record["frames"] = {key: table.to_json() for key, table in frames.items()}
             text = json.dumps(
                 record, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
             )
@@ -493,7 +502,7 @@ def _decode_record(data: bytes) -> Checkpoint:
     if (
         not isinstance(created, (int, float))
         or isinstance(created, bool)
-        or not math.isfinite(created)
+        or not 0 <= created < 1e11
     ):
         _fail(f"created: expected a unix time, got {_show(created)}")
     dcp_version = _opt_str(_field(record, "dcp_version", ""), "dcp_version")
@@ -503,6 +512,16 @@ def _decode_record(data: bytes) -> Checkpoint:
         if not _is_valid_key(key):
             _fail(f"objects: {_show(key)} is not a relative object key")
         objects[key] = _count(size, f"objects[{key!r}]")
+
+    frames: dict[str, FrameTable] = {}
+    tables = _dict(_field(record, "frames", ""), "frames")
+    if set(tables) != set(objects):
+        _fail("frames: expected one frame table per object")
+    for key, table in tables.items():
+        try:
+            frames[key] = FrameTable.from_json(table, objects[key])
+        except ValueError as e:
+            _fail(f"frames[{key!r}]: {e}")
 
     extra = _dict(_field(record, "extra", ""), "extra")
     storage_meta = _decode_storage_meta(_field(record, "storage_meta", ""))
@@ -536,6 +555,7 @@ def _decode_record(data: bytes) -> Checkpoint:
         created=float(created),
         objects=objects,
         extra=extra,
+        frames=frames,
     )
 
 

@@ -25,13 +25,14 @@ from torch.futures import Future
 from . import bridge, ranges
 from .config import MiB, S3Config
 from .errors import CheckpointNotFound, IncompleteCheckpoint, MetadataError, ObjectNotFound
+from .frames import FrameCheck, FrameTable
 from .layout import Location
 from .metadata import Checkpoint, Locator, decode
 from .readplan import Fetch, Target, destinations, plan_fetches
 from .tensorbytes import memory_of
 from .transfer import Transfer, gather_or_cancel, get_transfer
 
-__all__ = ["S3Reader"]
+__all__ = ["S3Reader", "read_checkpoint"]
 
 
 class S3Reader(StorageReader):
@@ -59,6 +60,7 @@ class S3Reader(StorageReader):
         self.checkpoint: Checkpoint | None = None
         self._chunks: dict[MetadataIndex, tuple[Locator, tuple[int, ...], torch.dtype]] = {}
         self._locators: dict[MetadataIndex, Locator] = {}
+        self._frames: dict[str, FrameTable] = {}
 
     @property
     def checkpoint_id(self) -> str:
@@ -90,6 +92,12 @@ class S3Reader(StorageReader):
                 f"{self.checkpoint_id}: metadata was not written by s3ckpt (no object locations)",
                 url=self.location.metadata_url,
             )
+        if self.checkpoint is None:
+            raise MetadataError(
+                f"{self.checkpoint_id}: read_metadata() must run before set_up_storage_reader()",
+                url=self.location.metadata_url,
+            )
+        self._frames = self.checkpoint.frames
         self._locators = locators
         self._chunks = {}
         for fqn, entry in metadata.state_dict_metadata.items():
@@ -115,33 +123,14 @@ class S3Reader(StorageReader):
             remaining[number] = len(item_targets)
             finishers[number] = finish
         fetches = plan_fetches(targets, max_gap=self.max_gap, max_size=self.config.part_size)
-        return bridge.to_torch_future(
-            bridge.submit(self._fetch_all(fetches, remaining, finishers)), None
-        )
+        return bridge.to_torch_future(bridge.submit(self._fetch_all(fetches, remaining, finishers)))
 
     @property
     def _transfer(self) -> Transfer:
         return get_transfer(self.config)
 
     async def _read_checkpoint(self) -> Checkpoint:
-        transfer, location = self._transfer, self.location
-        bucket, listing = location.bucket, location.listing_prefix
-        try:
-            raw = await transfer.get(bucket, location.metadata_key)
-        except ObjectNotFound:
-            found = [key for key, _ in await transfer.list(bucket, listing, limit=1)]
-            found = found or [key for key, _ in await transfer.list_uploads(bucket, listing)]
-            if found:
-                raise IncompleteCheckpoint(
-                    f"{location.url} is incomplete: objects or uploads exist (e.g. s3://{bucket}/"
-                    f"{found[0]}) but no .metadata — a save failed, was killed, or is running",
-                    url=location.url,
-                ) from None
-            raise CheckpointNotFound(
-                f"no checkpoint at {location.url}: nothing is stored under this prefix",
-                url=location.url,
-            ) from None
-        return decode(raw, url=location.metadata_url)
+        return await read_checkpoint(self._transfer, self.location)
 
     def _targets(
         self, number: int, item: ReadItem, planner: LoadPlanner
@@ -208,14 +197,18 @@ class S3Reader(StorageReader):
     ) -> None:
         transfer, bucket = self._transfer, self.location.bucket
         loop = asyncio.get_running_loop()
+        frames = {self.location.key(k): t for k, t in self._frames.items()}
         for number, count in remaining.items():
             if count == 0:
                 finishers[number]()
 
         async def one(fetch: Fetch) -> None:
+            table = frames[fetch.key]
+            start, end = table.covering(fetch.start, fetch.end)
             async with transfer.slot():
                 segments, buffered = destinations(fetch)
-                await transfer.get_scattered(bucket, fetch.key, fetch.start, fetch.end, segments)
+                check = FrameCheck(table, start, end)
+                await transfer.get_scattered(bucket, fetch.key, start, end, segments, check)
                 if buffered:
                     await loop.run_in_executor(None, _place_all, buffered)
             for target in fetch.targets:
@@ -230,6 +223,27 @@ def _place_all(buffered: list[tuple[Target, memoryview]]) -> None:
     for target, data in buffered:
         if target.place is not None:
             target.place(data)
+
+
+async def read_checkpoint(transfer: Transfer, location: Location) -> Checkpoint:
+    """The commit record at ``location``, or an error that says why there is none."""
+    bucket, listing = location.bucket, location.listing_prefix
+    try:
+        raw = await transfer.get(bucket, location.metadata_key)
+    except ObjectNotFound:
+        found = [key for key, _ in await transfer.list(bucket, listing, limit=1)]
+        found = found or [key for key, _ in await transfer.list_uploads(bucket, listing)]
+        if found:
+            raise IncompleteCheckpoint(
+                f"{location.url} is incomplete: objects or uploads exist (e.g. s3://{bucket}/"
+                f"{found[0]}) but no .metadata — a save failed, was killed, or is running",
+                url=location.url,
+            ) from None
+        raise CheckpointNotFound(
+            f"no checkpoint at {location.url}: nothing is stored under this prefix",
+            url=location.url,
+        ) from None
+    return decode(raw, url=location.metadata_url)
 
 
 class _Placer:

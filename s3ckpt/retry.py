@@ -4,11 +4,12 @@ s3ckpt owns retrying (botocore's own retries are off) so that one policy, stated
 every request, including the body of a ranged GET that breaks off midway.
 
 Retried: HTTP 5xx, 429 and throttling codes (``SlowDown`` and friends), request timeouts, lost or
-refused connections, and truncated response bodies. Not retried: every other 4xx (403 bad
-credentials, 404 missing bucket or key, 400, 412 lost conditional write), TLS verification
-failures and configuration errors, which no retry can fix. Waits grow exponentially from
-``BASE_DELAY`` to ``MAX_DELAY`` with full jitter (a uniform draw up to the bound), and a request
-gives up after ``max_attempts`` attempts or once ``deadline`` seconds have passed since its first.
+refused connections, truncated response bodies, and bytes that fail their checksum (damage in
+transit; damage at rest fails every attempt and is then raised). Not retried: every other 4xx
+(403 bad credentials, 404 missing bucket or key, 400, 412 lost conditional write), TLS
+verification failures and configuration errors, which no retry can fix. Waits grow
+exponentially from ``BASE_DELAY`` to ``MAX_DELAY`` with full jitter (a uniform draw up to the
+bound), and a request gives up after ``max_attempts`` attempts or ``deadline`` seconds.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ _RETRYABLE_CODES = {
     "InternalError",
     "RequestTimeout",
     "Truncated",
+    "ChecksumMismatch",
 }
 
 

@@ -22,7 +22,14 @@ from typing import Any, Protocol, TypeVar
 from .buffers import PartBuffers, Scatter
 from .client import ClientHolder, map_error
 from .config import ResolvedConfig, S3Config
-from .errors import AccessDenied, BucketNotFound, ObjectNotFound, StorageError
+from .errors import (
+    AccessDenied,
+    BucketNotFound,
+    ChecksumMismatch,
+    ObjectNotFound,
+    StorageError,
+)
+from .frames import FrameCheck
 from .retry import RetryPolicy
 
 __all__ = ["Payload", "Transfer", "TransferStats", "gather_or_cancel", "get_transfer"]
@@ -266,17 +273,21 @@ class Transfer:
         start: int,
         end: int,
         segments: Sequence[tuple[int, memoryview]],
+        check: FrameCheck | None = None,
     ) -> None:
         """Stream bytes ``[start, end)`` of an object into the views that want them.
 
         Each segment ``(offset, view)`` receives the bytes from absolute ``offset`` on; bytes
-        between segments are read and dropped. The caller holds a `slot`. A body that breaks off
-        is retried from the first missing byte.
+        between segments are read and dropped. With ``check`` every frame's checksum is verified
+        (a mismatch raises ChecksumMismatch). The caller holds a `slot`. A body that breaks off
+        is retried from the first missing byte (from the start of its frame when checked).
         """
         client = await self._clients.get()
         scatter = Scatter(start, segments)
 
         async def attempt() -> None:
+            if check is not None:
+                scatter.rewind(check.resume_point())
             reply = await client.get_object(
                 Bucket=bucket, Key=key, Range=f"bytes={scatter.position}-{end - 1}"
             )
@@ -285,8 +296,16 @@ class Transfer:
                     chunk = await body.read(min(_READ_CHUNK, end - scatter.position))
                     if not chunk:
                         break
+                    # Scatter first: a chunk may end verified frames before a damaged one, and a
+                    # retry resumes at the damaged frame, rewriting only its bytes.
+                    position = scatter.position
                     scatter.write(chunk)
                     self.stats.bytes_received += len(chunk)
+                    if check is not None:
+                        try:
+                            check.feed(position, chunk)
+                        except FrameCheck.Mismatch as m:
+                            raise self._mismatch(bucket, key, m) from None
             if scatter.position != end:
                 raise StorageError(
                     f"get_object s3://{bucket}/{key} bytes {start}-{end - 1} at "
@@ -300,6 +319,23 @@ class Transfer:
                 )
 
         await self._retrying("get_object", bucket, key, attempt)
+
+    def _mismatch(self, bucket: str, key: str, m: FrameCheck.Mismatch) -> ChecksumMismatch:
+        return ChecksumMismatch(
+            f"s3://{bucket}/{key} bytes {m.start}-{m.end - 1} at {self.endpoint}: CRC32C "
+            f"{m.actual:#010x}, the commit recorded {m.expected:#010x}; the stored object is "
+            "damaged (or was damaged in transit)",
+            endpoint=self.endpoint,
+            bucket=bucket,
+            key=key,
+            operation="get_object",
+            code="ChecksumMismatch",
+            status=None,
+            start=m.start,
+            end=m.end,
+            expected=m.expected,
+            actual=m.actual,
+        )
 
     async def head(self, bucket: str, key: str) -> dict[str, Any] | None:
         """The object's headers, or ``None`` if it does not exist."""

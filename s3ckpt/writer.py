@@ -42,8 +42,9 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from . import bridge, layout
-from .config import S3Config
+from .config import MiB, S3Config
 from .errors import CheckpointExists, PreconditionFailed, S3CkptError
+from .frames import FrameTable, checksum
 from .layout import Location
 from .metadata import Locator, decode, encode
 from .staging import StagingBuffers
@@ -72,6 +73,7 @@ class S3Writer(StorageWriter):
         config: connection settings; default `S3Config()` reads the standard AWS sources.
         overwrite: replace a committed checkpoint at the prefix instead of failing.
         objects_per_rank: most data objects one rank writes; more objects upload in parallel.
+        frame_size: bytes per checksummed frame; a partial load reads whole frames.
         async_staging: stage in a background thread; ``dcp.async_save`` then returns an
             ``AsyncSaveResponse`` whose ``staging_completion`` must finish before the state
             dict's tensors are modified (e.g. before the next ``optimizer.step()``).
@@ -88,15 +90,19 @@ class S3Writer(StorageWriter):
         overwrite: bool = False,
         objects_per_rank: int = 4,
         async_staging: bool = False,
+        frame_size: int = 4 * MiB,
     ) -> None:
         super().__init__()
         if objects_per_rank < 1:
             raise ValueError(f"objects_per_rank must be >= 1, got {objects_per_rank}")
+        if frame_size < 4096:
+            raise ValueError(f"frame_size must be at least 4096 bytes, got {frame_size}")
         self.location = Location.of(bucket, prefix)
         self.config = config or S3Config()
         self.overwrite = overwrite
         self.objects_per_rank = objects_per_rank
         self.async_staging = async_staging
+        self.frame_size = frame_size
         self.is_coordinator = False
         self._save_id: str | None = None
         self._staging = StagingBuffers()
@@ -186,24 +192,23 @@ class S3Writer(StorageWriter):
         for obj, members in sorted(objects.items()):
             relative = layout.data_key(rank_plan.save_id, rank_plan.rank, obj)
             packed = _Packed([value for _, value in members])
-            uploads[self.location.key(relative)] = packed
+            uploads[relative] = packed
             for (item, _), start, length in zip(
                 members, packed.starts, packed.lengths, strict=True
             ):
-                locator = Locator(relative, start, length)
-                results.append(
-                    WriteResult(index=item.index, size_in_bytes=length, storage_data=locator)
-                )
-        return bridge.to_torch_future(bridge.submit(self._upload(uploads)), results)
+                stored = _Stored(Locator(relative, start, length))
+                results.append(WriteResult(item.index, length, stored))
+        return bridge.to_torch_future(bridge.submit(self._upload(uploads, results)))
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         locators: dict[MetadataIndex, Locator] = {}
-        objects: dict[str, int] = {}
+        frames: dict[str, FrameTable] = {}
         for rank_results in results:
             for result in rank_results:
-                locator: Locator = result.storage_data
-                locators[result.index] = locator
-                objects[locator.key] = objects.get(locator.key, 0) + locator.length
+                stored: _Stored = result.storage_data
+                locators[result.index] = stored.locator
+                if stored.frames is not None:
+                    frames[stored.locator.key] = stored.frames
         if self._save_id is None:
             raise S3CkptError(f"finish() for {self.checkpoint_id} without a planned save")
         record = encode(
@@ -211,10 +216,11 @@ class S3Writer(StorageWriter):
             locators,
             save_id=self._save_id,
             created=time.time(),
-            objects=objects,
+            objects={key: table.size for key, table in frames.items()},
+            frames=frames,
             extra={"world_size": len(results)},
         )
-        bridge.run(self._commit(record, [self.location.key(k) for k in objects]))
+        bridge.run(self._commit(record, [self.location.key(k) for k in frames]))
 
     @property
     def _transfer(self) -> Transfer:
@@ -233,14 +239,30 @@ class S3Writer(StorageWriter):
                 url=self.checkpoint_id,
             )
 
-    async def _upload(self, uploads: dict[str, _Packed]) -> None:
-        transfer, bucket = self._transfer, self.location.bucket
+    async def _upload(
+        self, uploads: dict[str, _Packed], results: list[WriteResult]
+    ) -> list[WriteResult]:
+        """Upload the objects while checksumming their frames; results carry the frame tables."""
+        transfer, bucket, loop = self._transfer, self.location.bucket, asyncio.get_running_loop()
+        tables: dict[str, FrameTable] = {}
+
+        async def one(relative: str, packed: _Packed) -> None:
+            checksums = loop.run_in_executor(None, _frame_table, packed, self.frame_size)
+            await transfer.upload(bucket, self.location.key(relative), packed)
+            tables[relative] = await checksums
+
         try:
-            await gather_or_cancel(transfer.upload(bucket, k, p) for k, p in uploads.items())
+            await gather_or_cancel(one(relative, p) for relative, p in uploads.items())
         except BaseException:
             # Every key, not only finished ones: a cancelled PUT or Complete may still land.
-            await asyncio.shield(self._delete_quietly(list(uploads)))
+            keys = [self.location.key(relative) for relative in uploads]
+            await asyncio.shield(self._delete_quietly(keys))
             raise
+        # The coordinator learns each object's frame table from its first item's result.
+        for result in results:
+            stored: _Stored = result.storage_data
+            stored.frames = tables.pop(stored.locator.key, None)
+        return results
 
     async def _commit(self, record: bytes, keys: list[str]) -> None:
         transfer, location = self._transfer, self.location
@@ -295,6 +317,22 @@ class S3Writer(StorageWriter):
                 len(keys),
                 e,
             )
+
+
+@dataclass
+class _Stored:
+    """A WriteResult's storage data: where the item is, and (once per object) its frames."""
+
+    locator: Locator
+    frames: FrameTable | None = None
+
+
+def _frame_table(packed: _Packed, frame_size: int) -> FrameTable:
+    """CRC32C of every frame of the object's bytes (run in a worker thread)."""
+    scratch = memoryview(bytearray(min(frame_size, packed.size)))
+    starts = range(0, packed.size, frame_size)
+    crcs = [checksum(packed.read(s, min(s + frame_size, packed.size), scratch)) for s in starts]
+    return FrameTable.raw(frame_size, crcs, packed.size)
 
 
 class _Packed:

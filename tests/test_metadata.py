@@ -44,9 +44,22 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from s3ckpt.errors import MetadataError
-from s3ckpt.metadata import FORMAT, FORMAT_VERSION, Checkpoint, Locator, decode, encode
+from s3ckpt.frames import FrameTable
+from s3ckpt.metadata import FORMAT, FORMAT_VERSION, Checkpoint, Locator, decode
+from s3ckpt.metadata import encode as encode_record
 
 URL = "s3://bucket/run/step-10/.metadata"
+FRAME = 4096
+
+
+def encode(metadata: Any, locators: Any, *, objects: Any, **kwargs: Any) -> bytes:
+    """`encode` with made-up frame tables: these tests are about the rest of the record."""
+    frames = {
+        key: FrameTable.raw(FRAME, [7] * -(-size // FRAME), size)
+        for key, size in (objects.items() if isinstance(objects, dict) else [])
+        if isinstance(size, int) and not isinstance(size, bool) and size >= 0
+    }
+    return encode_record(metadata, locators, objects=objects, frames=frames, **kwargs)
 
 
 def _state_dict() -> dict[str, Any]:
@@ -273,6 +286,7 @@ def test_encoded_record_is_plain_json_with_locators_inline(
         "created",
         "dcp_version",
         "objects",
+        "frames",
         "extra",
         "storage_meta",
         "planner_data",
