@@ -44,7 +44,8 @@ class S3Config:
 
     ``part_size x max_concurrency`` bounds the bytes held by in-flight requests per process.
     A request is tried at most ``max_attempts`` times within ``retry_timeout`` seconds
-    (see `s3ckpt.retry` for what is retried).
+    (see `s3ckpt.retry` for what is retried). ``checksum`` is what uploads carry so that the
+    server refuses damaged bytes (see `s3ckpt.wire`; ``auto`` asks each bucket once).
     """
 
     endpoint_url: str | None = None
@@ -63,6 +64,7 @@ class S3Config:
     part_size: int = 16 * MiB
     multipart_threshold: int = 16 * MiB
     max_concurrency: int = 16
+    checksum: Literal["auto", "crc32c", "md5", "off"] = "auto"
 
     def __post_init__(self) -> None:
         if self.addressing_style not in _ADDRESSING:
@@ -75,6 +77,8 @@ class S3Config:
             )
         if self.multipart_threshold < 0:
             raise ConfigError(f"multipart_threshold must be >= 0, got {self.multipart_threshold}")
+        if self.checksum not in ("auto", "crc32c", "md5", "off"):
+            raise ConfigError(f"checksum must be auto, crc32c, md5 or off, got {self.checksum!r}")
         if self.max_concurrency < 1:
             raise ConfigError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
         if self.max_attempts < 1:

@@ -35,6 +35,9 @@ _RETRYABLE_CODES = {
     "RequestTimeout",
     "Truncated",
     "ChecksumMismatch",
+    "BadDigest",
+    "InvalidDigest",
+    "XAmzContentChecksumMismatch",
 }
 
 

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+from . import wire
 from .buffers import PartBuffers, Scatter
 from .client import ClientHolder, map_error
 from .config import ResolvedConfig, S3Config
@@ -73,6 +74,8 @@ class Transfer:
         self._clients = ClientHolder(self.resolved)
         self._slots: asyncio.Semaphore | None = None
         self._parts = PartBuffers(max(self.config.part_size, self.config.multipart_threshold))
+        self._wire_modes: dict[str, str] = {}
+        self._wire_lock = asyncio.Lock()
 
     @property
     def endpoint(self) -> str:
@@ -83,15 +86,26 @@ class Transfer:
             self._slots = asyncio.Semaphore(self.config.max_concurrency)
         return self._slots
 
-    async def _call(self, operation: str, bucket: str, key: str | None, **params: Any) -> Any:
-        """One S3 operation, retried as `s3ckpt.retry` says."""
+    async def _call(
+        self, operation: str, bucket: str, key: str | None, *, retry: bool = True, **params: Any
+    ) -> Any:
+        """One S3 operation, retried as `s3ckpt.retry` says (unless ``retry`` is off)."""
         client = await self._clients.get()
         method = getattr(client, operation)
-        return await self._retrying(operation, bucket, key, lambda: method(Bucket=bucket, **params))
+        policy = self.retry if retry else RetryPolicy(1, self.retry.deadline)
+        return await self._retrying(
+            operation, bucket, key, lambda: method(Bucket=bucket, **params), policy
+        )
 
     async def _retrying(
-        self, operation: str, bucket: str, key: str | None, attempt: Callable[[], Awaitable[T]]
+        self,
+        operation: str,
+        bucket: str,
+        key: str | None,
+        attempt: Callable[[], Awaitable[T]],
+        policy: RetryPolicy | None = None,
     ) -> T:
+        policy = policy or self.retry
         loop = asyncio.get_running_loop()
         started = loop.time()
         for number in itertools.count(1):
@@ -103,30 +117,75 @@ class Transfer:
                 error = map_error(
                     e, endpoint=self.endpoint, bucket=bucket, key=key, operation=operation
                 )
-                if not self.retry.should_retry(error, number, loop.time() - started):
+                if not policy.should_retry(error, number, loop.time() - started):
                     raise error from e
-                delay = self.retry.delay(number)
+                delay = policy.delay(number)
                 log.warning("%s; attempt %d failed, retrying in %.2f s", error, number, delay)
                 self.stats.retries += 1
                 await asyncio.sleep(delay)
         raise AssertionError("unreachable")
 
     async def put(
-        self, bucket: str, key: str, body: bytes | memoryview, *, if_none_match: bool = False
+        self,
+        bucket: str,
+        key: str,
+        body: bytes | memoryview,
+        *,
+        if_none_match: bool = False,
+        digest: dict[str, Any] | None = None,
     ) -> None:
-        """One PutObject; ``if_none_match`` makes it fail (PreconditionFailed) if the key exists."""
+        """One PutObject; ``if_none_match`` makes it fail (PreconditionFailed) if the key exists.
+
+        ``digest`` carries the body's wire checksum; computed here when not given.
+        """
+        if digest is None:
+            digest = wire.digest(body, await self.wire_mode(bucket, key))
         extra = {"IfNoneMatch": "*"} if if_none_match else {}
-        await self._call("put_object", bucket, key, Key=key, Body=body, **extra)
+        await self._call("put_object", bucket, key, Key=key, Body=body, **digest, **extra)
         self.stats.bytes_sent += len(body)
+
+    async def wire_mode(self, bucket: str, key: str) -> str:
+        """The checksum sent with uploads to ``bucket``: configured, or probed once (auto)."""
+        if self.config.checksum != "auto":
+            return self.config.checksum
+        if bucket not in self._wire_modes:
+            async with self._wire_lock:
+                if bucket not in self._wire_modes:
+                    prefix = key.rpartition("/")[0] + "/" if "/" in key else ""
+
+                    async def put(probe_key: str, body: bytes, **params: Any) -> None:
+                        await self._call(
+                            "put_object",
+                            bucket,
+                            probe_key,
+                            retry=False,
+                            Key=probe_key,
+                            Body=body,
+                            **params,
+                        )
+
+                    async def delete(probe_key: str) -> None:
+                        with contextlib.suppress(StorageError):
+                            await self._call("delete_object", bucket, probe_key, Key=probe_key)
+
+                    self._wire_modes[bucket] = await wire.probe(put, delete, prefix)
+                    log.info(
+                        "%s: sending %s checksums to s3://%s",
+                        self.endpoint,
+                        self._wire_modes[bucket],
+                        bucket,
+                    )
+        return self._wire_modes[bucket]
 
     async def upload(self, bucket: str, key: str, payload: Payload) -> None:
         """One PutObject up to the multipart threshold, else a multipart upload."""
         with self._parts.held():
             if payload.size <= self.config.multipart_threshold:
                 async with self._semaphore():
+                    mode = await self.wire_mode(bucket, key)
                     with self._parts.borrow(payload.size) as scratch:
-                        body = await _read(payload, 0, payload.size, scratch)
-                        await self.put(bucket, key, body)
+                        body, digest = await _read(payload, 0, payload.size, scratch, mode)
+                        await self.put(bucket, key, body, digest=digest)
                 return
             upload_id, retried = await self._create_upload(bucket, key)
             try:
@@ -171,12 +230,14 @@ class Transfer:
         lost: the caller then aborts the strays under the key (`_abort_strays`).
         """
         client = await self._clients.get()
+        mode = await self.wire_mode(bucket, key)
         sent = 0
 
         async def attempt() -> Any:
             nonlocal sent
             sent += 1
-            return await client.create_multipart_upload(Bucket=bucket, Key=key)
+            extra = {"ChecksumAlgorithm": "CRC32C"} if mode == "crc32c" else {}
+            return await client.create_multipart_upload(Bucket=bucket, Key=key, **extra)
 
         create = asyncio.ensure_future(
             self._retrying("create_multipart_upload", bucket, key, attempt)
@@ -207,9 +268,10 @@ class Transfer:
         size: int,
     ) -> dict[str, Any]:
         end = min(start + size, payload.size)
+        mode = await self.wire_mode(bucket, key)
         async with self._semaphore():
             with self._parts.borrow(end - start) as scratch:
-                body = await _read(payload, start, end, scratch)
+                body, digest = await _read(payload, start, end, scratch, mode)
                 reply = await self._call(
                     "upload_part",
                     bucket,
@@ -218,9 +280,13 @@ class Transfer:
                     UploadId=upload_id,
                     PartNumber=number,
                     Body=body,
+                    **digest,
                 )
         self.stats.bytes_sent += end - start
-        return {"PartNumber": number, "ETag": reply["ETag"]}
+        part = {"PartNumber": number, "ETag": reply["ETag"]}
+        if "ChecksumCRC32C" in digest:
+            part["ChecksumCRC32C"] = digest["ChecksumCRC32C"]
+        return part
 
     async def abort(self, bucket: str, key: str, upload_id: str) -> None:
         """Abort a multipart upload; failures are swallowed (gc finds what is left)."""
@@ -422,10 +488,17 @@ class Transfer:
             }
 
 
-async def _read(payload: Payload, start: int, end: int, scratch: memoryview) -> memoryview:
-    # Producing a part may copy megabytes (or come from an accelerator); keep it off the loop.
-    loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(None, payload.read, start, end, scratch)
+async def _read(
+    payload: Payload, start: int, end: int, scratch: memoryview, mode: str
+) -> tuple[memoryview, dict[str, Any]]:
+    """A part's bytes and their wire checksum, produced in a worker thread: it may copy
+    megabytes (or come from an accelerator) and hash them."""
+
+    def produce() -> tuple[memoryview, dict[str, Any]]:
+        body = payload.read(start, end, scratch)
+        return body, wire.digest(body, mode)
+
+    return await asyncio.get_running_loop().run_in_executor(None, produce)
 
 
 async def gather_or_cancel(aws: Iterable[Awaitable[T]]) -> list[T]:

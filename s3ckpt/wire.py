@@ -1,0 +1,62 @@
+"""Checksums on the wire, so that the server refuses bytes damaged on their way up.
+
+Servers differ: SeaweedFS and AWS validate ``x-amz-checksum-crc32c``; Ceph RGW ignores it (and
+rejects a Complete that lists part checksums) but validates Content-MD5; moto validates nothing.
+Accepting a header is not validating it, so mode ``auto`` asks each bucket once: a tiny PUT with a
+deliberately wrong CRC32C must be refused, else one with a wrong Content-MD5, else checksums are
+off for that bucket (the frame checksums of the commit record still catch damage on read).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import secrets
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from .errors import StorageError
+from .frames import checksum
+
+__all__ = ["MODES", "digest", "probe"]
+
+MODES = ("auto", "crc32c", "md5", "off")
+_PROBE_BODY = b"s3ckpt checksum probe"
+_REFUSED = {"BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch", "InvalidRequest"}
+
+
+def digest(body: bytes | memoryview, mode: str) -> dict[str, Any]:
+    """Request parameters that carry ``body``'s checksum in ``mode`` ("crc32c", "md5", "off")."""
+    if mode == "crc32c":
+        value = checksum(body).to_bytes(4, "big")
+        return {"ChecksumCRC32C": base64.b64encode(value).decode()}
+    if mode == "md5":
+        value = hashlib.md5(body, usedforsecurity=False).digest()
+        return {"ContentMD5": base64.b64encode(value).decode()}
+    return {}
+
+
+async def probe(
+    put: Callable[..., Awaitable[None]], delete: Callable[[str], Awaitable[None]], prefix: str
+) -> str:
+    """Which checksum the server behind ``put`` validates: "crc32c", "md5" or "off".
+
+    ``put(key, body, **params)`` stores an object and ``delete(key)`` removes it; the probe
+    object lives next to the checkpoint (``prefix``) and is removed afterwards.
+    """
+    key = f"{prefix}.s3ckpt-probe-{secrets.token_hex(6)}"
+    wrong = {
+        "crc32c": {"ChecksumCRC32C": base64.b64encode(b"\0\0\0\0").decode()},
+        "md5": {"ContentMD5": base64.b64encode(b"\0" * 16).decode()},
+    }
+    try:
+        for mode, params in wrong.items():
+            try:
+                await put(key, _PROBE_BODY, **params)
+            except StorageError as e:
+                if getattr(e, "code", None) in _REFUSED:
+                    return mode
+                raise
+        return "off"
+    finally:
+        await delete(key)
