@@ -231,7 +231,7 @@ async def read_checkpoint(transfer: Transfer, location: Location) -> Checkpoint:
     try:
         raw = await transfer.get(bucket, location.metadata_key)
     except ObjectNotFound:
-        found = [key for key, _ in await transfer.list(bucket, listing, limit=1)]
+        found = [key for key, _ in await transfer.list_objects(bucket, listing, limit=1)]
         found = found or [key for key, _ in await transfer.list_uploads(bucket, listing)]
         if found:
             raise IncompleteCheckpoint(

@@ -1,0 +1,191 @@
+"""Requests to the object store: clients, the concurrency bound, retries, and small operations.
+
+`Requests` is the base of the transfer engine (`s3ckpt.transfer.Transfer`): every S3 call goes
+through `Requests._call`, which maps errors (one place: `s3ckpt.client.map_error`), counts, and
+retries as `s3ckpt.retry` says. The small bucket operations that tools, the commit and garbage
+collection need live here; moving data lives in `transfer`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from .client import ClientHolder, map_error
+from .config import ResolvedConfig
+from .errors import AccessDenied, BucketNotFound, ObjectNotFound, StorageError
+from .retry import RetryPolicy
+
+__all__ = ["Requests", "TransferStats"]
+
+T = TypeVar("T")
+log = logging.getLogger("s3ckpt.transfer")
+
+
+@dataclass
+class TransferStats:
+    """Counters for one process and configuration; benchmarks and the tools read them."""
+
+    requests: int = 0
+    failed_requests: int = 0
+    retries: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
+class Requests:
+    """S3 calls under one concurrency bound, for one resolved configuration, on the bridge loop."""
+
+    def __init__(self, resolved: ResolvedConfig, retry: RetryPolicy | None = None) -> None:
+        self.resolved = resolved
+        self.config = resolved.config
+        self.stats = TransferStats()
+        self.retry = retry or RetryPolicy(self.config.max_attempts, self.config.retry_timeout)
+        self._clients = ClientHolder(self.resolved)
+        self._slots: asyncio.Semaphore | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return self.resolved.endpoint_name
+
+    def _semaphore(self) -> asyncio.Semaphore:
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.config.max_concurrency)
+        return self._slots
+
+    async def _call(
+        self, operation: str, bucket: str, key: str | None, *, retry: bool = True, **params: Any
+    ) -> Any:
+        """One S3 operation, retried as `s3ckpt.retry` says (unless ``retry`` is off)."""
+        client = await self._clients.get()
+        method = getattr(client, operation)
+        policy = self.retry if retry else RetryPolicy(1, self.retry.deadline)
+        return await self._retrying(
+            operation, bucket, key, lambda: method(Bucket=bucket, **params), policy
+        )
+
+    async def _retrying(
+        self,
+        operation: str,
+        bucket: str,
+        key: str | None,
+        attempt: Callable[[], Awaitable[T]],
+        policy: RetryPolicy | None = None,
+    ) -> T:
+        policy = policy or self.retry
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        for number in itertools.count(1):
+            self.stats.requests += 1
+            try:
+                return await attempt()
+            except Exception as e:
+                self.stats.failed_requests += 1
+                error = map_error(
+                    e, endpoint=self.endpoint, bucket=bucket, key=key, operation=operation
+                )
+                if not policy.should_retry(error, number, loop.time() - started):
+                    raise error from e
+                delay = policy.delay(number)
+                log.warning("%s; attempt %d failed, retrying in %.2f s", error, number, delay)
+                self.stats.retries += 1
+                await asyncio.sleep(delay)
+        raise AssertionError("unreachable")
+
+    def slot(self) -> asyncio.Semaphore:
+        """One of the ``max_concurrency`` request slots; hold it around `get_scattered`."""
+        return self._semaphore()
+
+    async def head(self, bucket: str, key: str) -> dict[str, Any] | None:
+        """The object's headers, or ``None`` if it does not exist."""
+        try:
+            reply: dict[str, Any] = await self._call("head_object", bucket, key, Key=key)
+        except ObjectNotFound:
+            return None
+        return reply
+
+    async def check_bucket(self, bucket: str) -> None:
+        """Raise BucketNotFound if the bucket is missing (some servers would create it on PUT).
+
+        Credentials scoped to a prefix may not be allowed HeadBucket; that is not an error.
+        """
+        with contextlib.suppress(AccessDenied):
+            await self._call("head_bucket", bucket, None)
+
+    async def create_bucket(self, bucket: str) -> None:
+        """Create the bucket unless it exists (tools and the demo; checkpoints never create one)."""
+        try:
+            await self.check_bucket(bucket)
+        except BucketNotFound:
+            params = {}
+            if self.resolved.region != "us-east-1":
+                params["CreateBucketConfiguration"] = {"LocationConstraint": self.resolved.region}
+            await self._call("create_bucket", bucket, None, **params)
+
+    async def list_objects(
+        self, bucket: str, prefix: str, *, limit: int | None = None
+    ) -> list[tuple[str, int]]:
+        """``(key, size)`` of objects under ``prefix``, paginated; at most ``limit`` of them."""
+        found: list[tuple[str, int]] = []
+        token: dict[str, str] = {}
+        while True:
+            page_size = 1000 if limit is None else min(1000, limit - len(found))
+            reply = await self._call(
+                "list_objects_v2", bucket, prefix or None, Prefix=prefix, MaxKeys=page_size, **token
+            )
+            found.extend((o["Key"], int(o["Size"])) for o in reply.get("Contents", []))
+            if not reply.get("IsTruncated") or (limit is not None and len(found) >= limit):
+                return found
+            token = {"ContinuationToken": reply["NextContinuationToken"]}
+
+    async def delete(self, bucket: str, keys: Iterable[str]) -> None:
+        """Delete keys in batches of 1000; raises if the server refused any of them."""
+        pending = sorted(set(keys))
+        for i in range(0, len(pending), 1000):
+            batch = pending[i : i + 1000]
+            reply = await self._call(
+                "delete_objects",
+                bucket,
+                batch[0],
+                Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True},
+            )
+            errors = reply.get("Errors") or []
+            if errors:
+                first = errors[0]
+                raise StorageError(
+                    f"delete_objects in s3://{bucket} at {self.endpoint}: {len(errors)} keys not "
+                    f"deleted, first s3://{bucket}/{first.get('Key')}: {first.get('Code')} "
+                    f"({first.get('Message')})",
+                    endpoint=self.endpoint,
+                    bucket=bucket,
+                    key=first.get("Key"),
+                    operation="delete_objects",
+                    code=first.get("Code"),
+                    status=None,
+                )
+
+    async def list_uploads(self, bucket: str, prefix: str) -> list[tuple[str, str]]:
+        """``(key, upload_id)`` of multipart uploads in progress under ``prefix``."""
+        found: list[tuple[str, str]] = []
+        markers: dict[str, str] = {}
+        while True:
+            reply = await self._call(
+                "list_multipart_uploads", bucket, prefix, Prefix=prefix, **markers
+            )
+            found.extend((u["Key"], u["UploadId"]) for u in reply.get("Uploads", []))
+            if not reply.get("IsTruncated"):
+                return found
+            markers = {
+                "KeyMarker": reply["NextKeyMarker"],
+                "UploadIdMarker": reply["NextUploadIdMarker"],
+            }
+
+    async def abort(self, bucket: str, key: str, upload_id: str) -> None:
+        """Abort a multipart upload; failures are swallowed (gc finds what is left)."""
+        with contextlib.suppress(StorageError):
+            await self._call("abort_multipart_upload", bucket, key, Key=key, UploadId=upload_id)
