@@ -53,10 +53,11 @@ _UNREACHABLE = (
 
 
 class ClientHolder:
-    """One lazily created S3 client per resolved configuration, closed at interpreter exit."""
+    """One lazily created S3 client per configuration and endpoint, closed at interpreter exit."""
 
-    def __init__(self, resolved: ResolvedConfig) -> None:
+    def __init__(self, resolved: ResolvedConfig, endpoint_url: str | None) -> None:
         self.resolved = resolved
+        self.endpoint_url = endpoint_url
         self._client: Any = None
         self._lock: asyncio.Lock | None = None
         self._stack = AsyncExitStack()
@@ -73,7 +74,7 @@ class ClientHolder:
                     session.set_config_variable("profile", self.resolved.profile)
                 config = AioConfig(**self.resolved.botocore_options())
                 creator = session.create_client(
-                    "s3", config=config, **self.resolved.client_kwargs()
+                    "s3", config=config, **self.resolved.client_kwargs(self.endpoint_url)
                 )
                 client = await self._stack.enter_async_context(creator)
                 client.meta.events.register("before-call.s3.DeleteObjects", _add_content_md5)

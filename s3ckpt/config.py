@@ -5,7 +5,8 @@ sources when a connection is made (`S3Config.resolve`), so a config pickled into
 checkpointer resolves in the process that does the I/O. Precedence, highest first:
 
 ===============  =============================================================================
-endpoint         argument, ``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, profile ``endpoint_url``
+endpoint         argument (one URL, or several: requests rotate over them), ``AWS_ENDPOINT_URL_S3``,
+                 ``AWS_ENDPOINT_URL``, profile ``endpoint_url``
 region           argument, ``AWS_REGION``, ``AWS_DEFAULT_REGION``, profile ``region``, us-east-1
 credentials      arguments, then botocore's chain (``AWS_ACCESS_KEY_ID`` …, profile, IMDS, …)
 profile          argument, ``AWS_PROFILE`` / ``AWS_DEFAULT_PROFILE``
@@ -48,7 +49,7 @@ class S3Config:
     server refuses damaged bytes (see `s3ckpt.wire`; ``auto`` asks each bucket once).
     """
 
-    endpoint_url: str | None = None
+    endpoint_url: str | tuple[str, ...] | None = None
     region: str | None = None
     profile: str | None = None
     access_key_id: str | None = field(default=None, repr=False)
@@ -89,12 +90,13 @@ class S3Config:
             raise ConfigError("connect_timeout and read_timeout must be > 0 seconds")
         if (self.access_key_id is None) != (self.secret_access_key is None):
             raise ConfigError("access_key_id and secret_access_key must be given together")
-        if self.endpoint_url is not None and not self.endpoint_url.startswith(
-            ("http://", "https://")
-        ):
-            raise ConfigError(
-                f"endpoint_url must start with http:// or https://, got {self.endpoint_url!r}"
-            )
+        if isinstance(self.endpoint_url, list | tuple):
+            if not self.endpoint_url:
+                raise ConfigError("endpoint_url: give at least one URL")
+            object.__setattr__(self, "endpoint_url", tuple(self.endpoint_url))
+        for url in _urls(self.endpoint_url):
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"endpoint_url must start with http:// or https://, got {url!r}")
 
     def resolve(self, environ: dict[str, str] | None = None) -> ResolvedConfig:
         """Fill the gaps from the environment and the AWS config files, as the table above says."""
@@ -126,7 +128,7 @@ class S3Config:
             raise ConfigError(f"CA bundle {verify!r} does not exist or is not a file")
         return ResolvedConfig(
             config=self,
-            endpoint_url=endpoint.rstrip("/") if endpoint else None,
+            endpoint_urls=tuple(url.rstrip("/") for url in _urls(endpoint)),
             region=region,
             profile=profile,
             addressing_style=style,
@@ -139,23 +141,28 @@ class ResolvedConfig:
     """An `S3Config` with every source consulted; what a client is built from."""
 
     config: S3Config
-    endpoint_url: str | None
+    endpoint_urls: tuple[str, ...]
     region: str
     profile: str | None
     addressing_style: str
     verify: bool | str
 
     @property
-    def endpoint_name(self) -> str:
-        """The endpoint as error messages show it."""
-        return self.endpoint_url or f"AWS S3 ({self.region})"
+    def endpoint_url(self) -> str | None:
+        """The first endpoint (``None``: AWS S3's regional endpoint)."""
+        return self.endpoint_urls[0] if self.endpoint_urls else None
 
-    def client_kwargs(self) -> dict[str, Any]:
+    @property
+    def endpoint_name(self) -> str:
+        """The endpoint(s) as error messages show them."""
+        return ", ".join(self.endpoint_urls) or f"AWS S3 ({self.region})"
+
+    def client_kwargs(self, endpoint_url: str | None = None) -> dict[str, Any]:
         """Arguments for ``session.create_client("s3", ...)``, except ``config``."""
         c = self.config
         kwargs: dict[str, Any] = {
             "region_name": self.region,
-            "endpoint_url": self.endpoint_url,
+            "endpoint_url": endpoint_url or self.endpoint_url,
             "verify": self.verify,
         }
         if c.access_key_id is not None:
@@ -182,6 +189,12 @@ class ResolvedConfig:
             "parameter_validation": False,
             "user_agent_extra": "s3ckpt",
         }
+
+
+def _urls(endpoint: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    if endpoint is None:
+        return ()
+    return (endpoint,) if isinstance(endpoint, str) else tuple(endpoint)
 
 
 def _profile_settings(profile: str | None) -> dict[str, Any]:

@@ -8,6 +8,7 @@ an object that a committed checkpoint references: replacing a checkpoint is one 
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import secrets
 from collections.abc import Sequence
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 from .config import parse_s3_url
 
-__all__ = ["METADATA_NAME", "Location", "data_key", "new_save_id", "pack"]
+__all__ = ["METADATA_NAME", "Location", "data_key", "new_save_id", "pack", "spread_digits"]
 
 METADATA_NAME = ".metadata"
 
@@ -67,9 +68,25 @@ def new_save_id() -> str:
     return secrets.token_hex(12)
 
 
-def data_key(save_id: str, rank: int, index: int) -> str:
-    """Key of one data object, relative to the checkpoint prefix."""
-    return f"data-{save_id}/{rank:05d}-{index:03d}"
+def data_key(save_id: str, rank: int, index: int, spread: int = 0) -> str:
+    """Key of one data object, relative to the checkpoint prefix.
+
+    With ``spread`` digits, a hash of the name comes first, so that the requests of one save fan
+    out over ``16**spread`` key ranges instead of a run of sequential names (stores such as AWS
+    S3 partition request rates by key prefix).
+    """
+    name = f"{rank:05d}-{index:03d}"
+    if spread:
+        name = f"{hashlib.blake2b(name.encode(), digest_size=8).hexdigest()[:spread]}/{name}"
+    return f"data-{save_id}/{name}"
+
+
+def spread_digits(objects: int) -> int:
+    """Hex digits of the hash component: about one object per key range, 2 to 4 digits."""
+    digits = 2
+    while digits < 4 and 16**digits < objects:
+        digits += 1
+    return digits
 
 
 def pack(sizes: Sequence[int], max_objects: int, min_object_size: int) -> list[int]:

@@ -46,7 +46,8 @@ class Requests:
         self.config = resolved.config
         self.stats = TransferStats()
         self.retry = retry or RetryPolicy(self.config.max_attempts, self.config.retry_timeout)
-        self._clients = ClientHolder(self.resolved)
+        self._clients = [ClientHolder(resolved, url) for url in resolved.endpoint_urls or [None]]
+        self._turn = itertools.count()
         self._slots: asyncio.Semaphore | None = None
 
     @property
@@ -59,15 +60,26 @@ class Requests:
         return self._slots
 
     async def _call(
-        self, operation: str, bucket: str, key: str | None, *, retry: bool = True, **params: Any
+        self,
+        operation: str,
+        bucket: str,
+        key: str | None,
+        *,
+        retry: RetryPolicy | None = None,
+        **params: Any,
     ) -> Any:
-        """One S3 operation, retried as `s3ckpt.retry` says (unless ``retry`` is off)."""
-        client = await self._clients.get()
-        method = getattr(client, operation)
-        policy = self.retry if retry else RetryPolicy(1, self.retry.deadline)
-        return await self._retrying(
-            operation, bucket, key, lambda: method(Bucket=bucket, **params), policy
-        )
+        """One S3 operation, retried as `s3ckpt.retry` says (or as ``retry`` says)."""
+        policy = retry or self.retry
+
+        async def attempt() -> Any:
+            client = await self._client()
+            return await getattr(client, operation)(Bucket=bucket, **params)
+
+        return await self._retrying(operation, bucket, key, attempt, policy)
+
+    async def _client(self) -> Any:
+        """The next endpoint's client: requests (and retries) rotate over all endpoints."""
+        return await self._clients[next(self._turn) % len(self._clients)].get()
 
     async def _retrying(
         self,

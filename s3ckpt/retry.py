@@ -61,6 +61,7 @@ class RetryPolicy:
     max_attempts: int
     deadline: float
     rng: random.Random = field(default_factory=random.Random)
+    never: frozenset[str] = frozenset()  # codes not to retry here, even if transient
 
     def delay(self, attempt: int) -> float:
         """Seconds to wait after failed attempt number ``attempt`` (1-based)."""
@@ -71,4 +72,5 @@ class RetryPolicy:
             attempt < self.max_attempts
             and elapsed + BASE_DELAY < self.deadline
             and is_transient(error)
+            and getattr(error, "code", None) not in self.never
         )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -85,12 +86,15 @@ class Transfer(Requests):
                 if bucket not in self._wire_modes:
                     prefix = key.rpartition("/")[0] + "/" if "/" in key else ""
 
+                    # A refused digest is the answer; anything else transient is retried.
+                    policy = dataclasses.replace(self.retry, never=wire.REFUSED)
+
                     async def put(probe_key: str, body: bytes, **params: Any) -> None:
                         await self._call(
                             "put_object",
                             bucket,
                             probe_key,
-                            retry=False,
+                            retry=policy,
                             Key=probe_key,
                             Body=body,
                             **params,
@@ -161,7 +165,6 @@ class Transfer(Requests):
         upload the server created. A retried create may have created an upload whose answer was
         lost: the caller then aborts the strays under the key (`_abort_strays`).
         """
-        client = await self._clients.get()
         mode = await self.wire_mode(bucket, key)
         sent = 0
 
@@ -169,6 +172,7 @@ class Transfer(Requests):
             nonlocal sent
             sent += 1
             extra = {"ChecksumAlgorithm": "CRC32C"} if mode == "crc32c" else {}
+            client = await self._client()
             return await client.create_multipart_upload(Bucket=bucket, Key=key, **extra)
 
         create = asyncio.ensure_future(
@@ -222,10 +226,9 @@ class Transfer(Requests):
 
     async def get(self, bucket: str, key: str) -> bytes:
         """A whole object (for small ones such as ``.metadata``); a broken body is retried."""
-        client = await self._clients.get()
 
         async def attempt() -> bytes:
-            reply = await client.get_object(Bucket=bucket, Key=key)
+            reply = await (await self._client()).get_object(Bucket=bucket, Key=key)
             async with reply["Body"] as body:
                 data: bytes = await body.read()
             if len(data) != reply["ContentLength"]:
@@ -271,13 +274,12 @@ class Transfer(Requests):
         (a mismatch raises ChecksumMismatch). The caller holds a `slot`. A body that breaks off
         is retried from the first missing byte (from the start of its frame when checked).
         """
-        client = await self._clients.get()
         scatter = Scatter(start, segments)
 
         async def attempt() -> None:
             if check is not None:
                 scatter.rewind(check.resume_point())
-            reply = await client.get_object(
+            reply = await (await self._client()).get_object(
                 Bucket=bucket, Key=key, Range=f"bytes={scatter.position}-{end - 1}"
             )
             async with reply["Body"] as body:

@@ -18,11 +18,11 @@ from typing import Any
 from .errors import StorageError
 from .frames import checksum
 
-__all__ = ["MODES", "digest", "probe"]
+__all__ = ["MODES", "REFUSED", "digest", "probe"]
 
 MODES = ("auto", "crc32c", "md5", "off")
 _PROBE_BODY = b"s3ckpt checksum probe"
-_REFUSED = {"BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch", "InvalidRequest"}
+REFUSED = frozenset({"BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch", "InvalidRequest"})
 
 
 def digest(body: bytes | memoryview, mode: str) -> dict[str, Any]:
@@ -54,7 +54,7 @@ async def probe(
             try:
                 await put(key, _PROBE_BODY, **params)
             except StorageError as e:
-                if getattr(e, "code", None) in _REFUSED:
+                if getattr(e, "code", None) in REFUSED:
                     return mode
                 raise
         return "off"

@@ -62,6 +62,7 @@ class _RankPlan:
 
     save_id: str
     rank: int
+    spread: int
 
 
 class S3Writer(StorageWriter):
@@ -74,6 +75,8 @@ class S3Writer(StorageWriter):
         overwrite: replace a committed checkpoint at the prefix instead of failing.
         objects_per_rank: most data objects one rank writes; more objects upload in parallel.
         frame_size: bytes per checksummed frame; a partial load reads whole frames.
+        spread_keys: put a short hash early in data keys, spreading a save's requests over
+            many key ranges (for stores that limit request rates per prefix, like AWS S3).
         async_staging: stage in a background thread; ``dcp.async_save`` then returns an
             ``AsyncSaveResponse`` whose ``staging_completion`` must finish before the state
             dict's tensors are modified (e.g. before the next ``optimizer.step()``).
@@ -91,6 +94,7 @@ class S3Writer(StorageWriter):
         objects_per_rank: int = 4,
         async_staging: bool = False,
         frame_size: int = 4 * MiB,
+        spread_keys: bool = False,
     ) -> None:
         super().__init__()
         if objects_per_rank < 1:
@@ -103,6 +107,7 @@ class S3Writer(StorageWriter):
         self.objects_per_rank = objects_per_rank
         self.async_staging = async_staging
         self.frame_size = frame_size
+        self.spread_keys = spread_keys
         self.is_coordinator = False
         self._save_id: str | None = None
         self._staging = StagingBuffers()
@@ -172,8 +177,10 @@ class S3Writer(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         self._save_id = layout.new_save_id()
+        # The world size is known only now, when the save starts.
+        spread = layout.spread_digits(len(plans) * self.objects_per_rank) if self.spread_keys else 0
         return [
-            dataclasses.replace(plan, storage_data=_RankPlan(self._save_id, rank))
+            dataclasses.replace(plan, storage_data=_RankPlan(self._save_id, rank, spread))
             for rank, plan in enumerate(plans)
         ]
 
@@ -190,7 +197,7 @@ class S3Writer(StorageWriter):
         results: list[WriteResult] = []
         uploads: dict[str, _Packed] = {}
         for obj, members in sorted(objects.items()):
-            relative = layout.data_key(rank_plan.save_id, rank_plan.rank, obj)
+            relative = layout.data_key(rank_plan.save_id, rank_plan.rank, obj, rank_plan.spread)
             packed = _Packed([value for _, value in members])
             uploads[relative] = packed
             for (item, _), start, length in zip(

@@ -22,6 +22,16 @@ def test_endpoint_precedence_service_specific_then_global() -> None:
     assert explicit.endpoint_url == "http://arg:3"
 
 
+def test_several_endpoints() -> None:
+    resolved = S3Config(endpoint_url=["http://a:1/", "http://b:2"]).resolve({})
+    assert resolved.endpoint_urls == ("http://a:1", "http://b:2")
+    assert resolved.endpoint_url == "http://a:1" and resolved.addressing_style == "path"
+    with pytest.raises(ConfigError):
+        S3Config(endpoint_url=[])
+    with pytest.raises(ConfigError):
+        S3Config(endpoint_url=["http://a:1", "a:2"])
+
+
 def test_ignore_configured_endpoint_urls() -> None:
     env = {"AWS_ENDPOINT_URL": "http://global:1", "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS": "true"}
     assert S3Config().resolve(env).endpoint_url is None
