@@ -231,11 +231,15 @@ def encode(
     """
     try:
         with _gc_paused():
-            record = _encode_record(metadata, locators, save_id, created, objects, extra)
-            if set(frames) != set(objects) or any(
-                frames[k].size != size for k, size in objects.items()
-            ):
-                _fail("frames: every object needs a frame table matching its size")
+            for key, size in objects.items():
+                if key not in frames or frames[key].size != size:
+                    _fail(f"objects[{key!r}]: no frame table of {_show(size)} stored bytes")
+            if set(frames) - set(objects):
+                _fail("frames: a frame table for an object not in objects")
+            # Locators point into raw (uncompressed) bytes; `objects` records stored sizes.
+            raw_sizes = {key: table.raw_size for key, table in frames.items()}
+            record = _encode_record(metadata, locators, save_id, created, raw_sizes, extra)
+            record["objects"] = dict(objects)
             record["frames"] = {key: table.to_json() for key, table in frames.items()}
             text = json.dumps(
                 record, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
@@ -527,6 +531,7 @@ def _decode_record(data: bytes) -> Checkpoint:
     storage_meta = _decode_storage_meta(_field(record, "storage_meta", ""))
     planner_data = _from_json(_field(record, "planner_data", ""), "planner_data")
 
+    raw_sizes = {key: table.raw_size for key, table in frames.items()}
     locators: dict[MetadataIndex, Locator] = {}
     state_dict: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
     for fqn, entry in _dict(_field(record, "state_dict", ""), "state_dict").items():
@@ -534,10 +539,10 @@ def _decode_record(data: bytes) -> Checkpoint:
         entry = _dict(entry, where)
         kind = _field(entry, "type", where)
         if kind == "bytes":
-            locators[MetadataIndex(fqn)] = _decode_locator(entry, objects, where)
+            locators[MetadataIndex(fqn)] = _decode_locator(entry, raw_sizes, where)
             state_dict[fqn] = BytesStorageMetadata()
         elif kind == "tensor":
-            state_dict[fqn] = _decode_tensor(fqn, entry, objects, locators, where)
+            state_dict[fqn] = _decode_tensor(fqn, entry, raw_sizes, locators, where)
         else:
             _fail(f"{where}.type: expected 'tensor' or 'bytes', got {_show(kind)}")
 

@@ -23,8 +23,16 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from . import bridge, ranges
+from . import frames as frames_codec
+from .buffers import Scatter
 from .config import MiB, S3Config
-from .errors import CheckpointNotFound, IncompleteCheckpoint, MetadataError, ObjectNotFound
+from .errors import (
+    CheckpointNotFound,
+    IncompleteCheckpoint,
+    MetadataError,
+    ObjectNotFound,
+    StorageError,
+)
 from .frames import FrameCheck, FrameTable
 from .layout import Location
 from .metadata import Checkpoint, Locator, decode
@@ -204,11 +212,14 @@ class S3Reader(StorageReader):
 
         async def one(fetch: Fetch) -> None:
             table = frames[fetch.key]
-            start, end = table.covering(fetch.start, fetch.end)
             async with transfer.slot():
                 segments, buffered = destinations(fetch)
-                check = FrameCheck(table, start, end)
-                await transfer.get_scattered(bucket, fetch.key, start, end, segments, check)
+                if table.compressed:
+                    await _fetch_compressed(transfer, bucket, fetch, table, segments)
+                else:
+                    start, end = table.covering(fetch.start, fetch.end)
+                    check = FrameCheck(table, start, end)
+                    await transfer.get_scattered(bucket, fetch.key, start, end, segments, check)
                 if buffered:
                     await loop.run_in_executor(None, _place_all, buffered)
             for target in fetch.targets:
@@ -223,6 +234,41 @@ def _place_all(buffered: list[tuple[Target, memoryview]]) -> None:
     for target, data in buffered:
         if target.place is not None:
             target.place(data)
+
+
+async def _fetch_compressed(
+    transfer: Transfer,
+    bucket: str,
+    fetch: Fetch,
+    table: FrameTable,
+    segments: list[tuple[int, memoryview]],
+) -> None:
+    """Fetch the frames holding a fetch's raw range, decode each in a worker thread, and
+    scatter its raw bytes to the destinations."""
+    loop = asyncio.get_running_loop()
+    scatter = Scatter(0, segments)
+
+    def place(number: int, stored: bytes) -> None:
+        try:
+            raw = frames_codec.decode(stored, table.codecs[number], table.raw_length(number))
+        except ValueError as e:
+            raise StorageError(
+                f"s3://{bucket}/{fetch.key} frame {number}: {e}",
+                bucket=bucket,
+                key=fetch.key,
+                endpoint=transfer.endpoint,
+                operation="decode",
+                code="Undecodable",
+                status=None,
+            ) from None
+        scatter.rewind(number * table.frame_size)
+        scatter.write(raw)
+
+    async def consume(number: int, stored: bytes) -> None:
+        await loop.run_in_executor(None, place, number, stored)
+
+    wanted = table.frames(fetch.start, fetch.end)
+    await transfer.get_frames(bucket, fetch.key, table, wanted, consume)
 
 
 async def read_checkpoint(transfer: Transfer, location: Location) -> Checkpoint:

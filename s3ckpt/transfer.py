@@ -15,7 +15,7 @@ import dataclasses
 import logging
 import math
 import os
-from collections.abc import Awaitable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any, Protocol, TypeVar
 
 from . import wire
@@ -26,7 +26,7 @@ from .errors import (
     ObjectNotFound,
     StorageError,
 )
-from .frames import FrameCheck
+from .frames import FrameCheck, FrameTable, checksum
 from .requests import Requests, TransferStats
 from .retry import RetryPolicy
 
@@ -138,6 +138,80 @@ class Transfer(Requests):
             finally:
                 if retried:
                     await asyncio.shield(self._abort_strays(bucket, key))
+
+    async def upload_stream(
+        self, bucket: str, key: str, chunks: AsyncIterator[bytes | memoryview]
+    ) -> None:
+        """Store bytes whose total is known only at the end (compressed frames, in order).
+
+        Chunks gather into parts of at least ``part_size``; a part's request slot is taken
+        before it is cut, so at most ``max_concurrency`` parts are held and the producer waits
+        for slots. A stream that ends under the multipart threshold goes up as one PutObject.
+        """
+        pending: list[asyncio.Future[dict[str, Any]]] = []
+        part = bytearray()
+        upload: tuple[str, bool] | None = None
+
+        async def send(upload_id: str, body: bytearray) -> None:
+            await self._semaphore().acquire()
+            number = len(pending) + 1
+            pending.append(asyncio.ensure_future(self._send(bucket, key, upload_id, number, body)))
+
+        try:
+            async for chunk in chunks:
+                part += chunk
+                if len(part) < self.config.part_size or (
+                    upload is None and len(part) <= self.config.multipart_threshold
+                ):
+                    continue
+                upload = upload or await self._create_upload(bucket, key)
+                await send(upload[0], part)
+                part = bytearray()
+            if upload is None:
+                async with self._semaphore():
+                    await self.put(bucket, key, part)
+                return
+            if part:
+                await send(upload[0], part)
+            parts = await gather_or_cancel(pending)
+            size = sum(p.pop("Size") for p in parts)
+            await self._complete(bucket, key, upload[0], parts, size)
+        except BaseException:
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            if upload is not None:
+                await asyncio.shield(self.abort(bucket, key, upload[0]))
+            raise
+        finally:
+            if upload is not None and upload[1]:
+                await asyncio.shield(self._abort_strays(bucket, key))
+
+    async def _send(
+        self, bucket: str, key: str, upload_id: str, number: int, body: bytearray
+    ) -> dict[str, Any]:
+        """One part of `upload_stream`; the caller took its slot, which is released here."""
+        try:
+            mode = await self.wire_mode(bucket, key)
+            loop = asyncio.get_running_loop()
+            digest = await loop.run_in_executor(None, wire.digest, body, mode)
+            reply = await self._call(
+                "upload_part",
+                bucket,
+                key,
+                Key=key,
+                UploadId=upload_id,
+                PartNumber=number,
+                Body=body,
+                **digest,
+            )
+        finally:
+            self._semaphore().release()
+        self.stats.bytes_sent += len(body)
+        part = {"PartNumber": number, "ETag": reply["ETag"], "Size": len(body)}
+        if "ChecksumCRC32C" in digest:
+            part["ChecksumCRC32C"] = digest["ChecksumCRC32C"]
+        return part
 
     async def _complete(
         self, bucket: str, key: str, upload_id: str, parts: list[dict[str, Any]], size: int
@@ -301,6 +375,58 @@ class Transfer(Requests):
                 raise StorageError(
                     f"get_object s3://{bucket}/{key} bytes {start}-{end - 1} at "
                     f"{self.endpoint}: response ended at byte {scatter.position}",
+                    endpoint=self.endpoint,
+                    bucket=bucket,
+                    key=key,
+                    operation="get_object",
+                    code="Truncated",
+                    status=None,
+                )
+
+        await self._retrying("get_object", bucket, key, attempt)
+
+    async def get_frames(
+        self,
+        bucket: str,
+        key: str,
+        table: FrameTable,
+        frames: range,
+        consume: Callable[[int, bytes], Awaitable[None]],
+    ) -> None:
+        """Stream whole stored frames in order; each is checked against its CRC32C and handed to
+        ``consume(number, stored)``. The caller holds a `slot`; a broken or damaged stream is
+        retried from the first frame not yet consumed."""
+        following = frames.start
+
+        async def attempt() -> None:
+            nonlocal following
+            start, end = table.starts[following], table.starts[frames.stop]
+            reply = await (await self._client()).get_object(
+                Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}"
+            )
+            pending = bytearray()
+            async with reply["Body"] as body:
+                while following < frames.stop:
+                    chunk = await body.read(_READ_CHUNK)
+                    if not chunk:
+                        break
+                    self.stats.bytes_received += len(chunk)
+                    pending += chunk
+                    while following < frames.stop and len(pending) >= table.sizes[following]:
+                        stored = bytes(pending[: table.sizes[following]])
+                        del pending[: table.sizes[following]]
+                        actual = checksum(stored)
+                        if actual != table.crcs[following]:
+                            low, high = table.starts[following], table.starts[following + 1]
+                            expected = table.crcs[following]
+                            mismatch = FrameCheck.Mismatch(low, high, expected, actual)
+                            raise self._mismatch(bucket, key, mismatch)
+                        await consume(following, stored)
+                        following += 1
+            if following < frames.stop:
+                raise StorageError(
+                    f"get_object s3://{bucket}/{key} at {self.endpoint}: response ended "
+                    f"before frame {following} was complete",
                     endpoint=self.endpoint,
                     bucket=bucket,
                     key=key,

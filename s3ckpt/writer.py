@@ -25,11 +25,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.util
 import io
+import itertools
 import logging
 import math
+import os
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future as ConcurrentFuture
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -43,12 +47,13 @@ from torch.futures import Future
 
 from . import bridge, layout
 from .config import MiB, S3Config
-from .errors import CheckpointExists, PreconditionFailed, S3CkptError
-from .frames import FrameTable, checksum
+from .errors import CheckpointExists, ConfigError, PreconditionFailed, S3CkptError
+from .frames import FrameTable
 from .layout import Location
 from .metadata import Locator, decode, encode
+from .packing import Packed, element_size
 from .staging import StagingBuffers
-from .tensorbytes import as_flat_bytes, memory_of
+from .tensorbytes import as_flat_bytes
 from .transfer import Transfer, gather_or_cancel, get_transfer
 
 __all__ = ["S3Writer"]
@@ -77,6 +82,10 @@ class S3Writer(StorageWriter):
         frame_size: bytes per checksummed frame; a partial load reads whole frames.
         spread_keys: put a short hash early in data keys, spreading a save's requests over
             many key ranges (for stores that limit request rates per prefix, like AWS S3).
+        compression: ``"zstd"`` compresses each frame on its own (worker threads, overlapping
+            the upload), so ranged loads still decode only the frames they need; any reader
+            loads it. ``compression_level`` is zstd's level; ``shuffle`` groups bytes of equal
+            significance of floating-point elements first, which compresses weights better.
         async_staging: stage in a background thread; ``dcp.async_save`` then returns an
             ``AsyncSaveResponse`` whose ``staging_completion`` must finish before the state
             dict's tensors are modified (e.g. before the next ``optimizer.step()``).
@@ -95,6 +104,9 @@ class S3Writer(StorageWriter):
         async_staging: bool = False,
         frame_size: int = 4 * MiB,
         spread_keys: bool = False,
+        compression: str | None = None,
+        compression_level: int = 1,
+        shuffle: bool = True,
     ) -> None:
         super().__init__()
         if objects_per_rank < 1:
@@ -108,6 +120,13 @@ class S3Writer(StorageWriter):
         self.async_staging = async_staging
         self.frame_size = frame_size
         self.spread_keys = spread_keys
+        if compression not in (None, "zstd"):
+            raise ConfigError(f"compression must be None or 'zstd', got {compression!r}")
+        if compression is not None and importlib.util.find_spec("zstandard") is None:
+            raise ConfigError("compression='zstd' needs zstandard: pip install 's3ckpt[zstd]'")
+        self.compression = compression
+        self.compression_level = compression_level
+        self.shuffle = shuffle
         self.is_coordinator = False
         self._save_id: str | None = None
         self._staging = StagingBuffers()
@@ -193,12 +212,19 @@ class S3Writer(StorageWriter):
             data = planner.resolve_data(item)
             value = data.getvalue() if isinstance(data, io.BytesIO) else as_flat_bytes(data)
             objects.setdefault(obj, []).append((item, value))
+        element = {
+            item.index: element_size(item.tensor_data.properties.dtype)
+            for item in plan.items
+            if item.tensor_data is not None
+        }
 
         results: list[WriteResult] = []
-        uploads: dict[str, _Packed] = {}
+        uploads: dict[str, Packed] = {}
         for obj, members in sorted(objects.items()):
             relative = layout.data_key(rank_plan.save_id, rank_plan.rank, obj, rank_plan.spread)
-            packed = _Packed([value for _, value in members])
+            packed = Packed(
+                [value for _, value in members], [element.get(item.index) for item, _ in members]
+            )
             uploads[relative] = packed
             for (item, _), start, length in zip(
                 members, packed.starts, packed.lengths, strict=True
@@ -247,16 +273,23 @@ class S3Writer(StorageWriter):
             )
 
     async def _upload(
-        self, uploads: dict[str, _Packed], results: list[WriteResult]
+        self, uploads: dict[str, Packed], results: list[WriteResult]
     ) -> list[WriteResult]:
         """Upload the objects while checksumming their frames; results carry the frame tables."""
         transfer, bucket, loop = self._transfer, self.location.bucket, asyncio.get_running_loop()
         tables: dict[str, FrameTable] = {}
 
-        async def one(relative: str, packed: _Packed) -> None:
-            checksums = loop.run_in_executor(None, _frame_table, packed, self.frame_size)
-            await transfer.upload(bucket, self.location.key(relative), packed)
-            tables[relative] = await checksums
+        async def one(relative: str, packed: Packed) -> None:
+            key = self.location.key(relative)
+            if self.compression is None:
+                checksums = loop.run_in_executor(None, packed.frame_table, self.frame_size)
+                await transfer.upload(bucket, key, packed)
+                tables[relative] = await checksums
+                return
+            entries: list[tuple[int, int, int]] = []
+            await transfer.upload_stream(bucket, key, self._encoded(packed, entries))
+            sizes, crcs, codecs = (tuple(entry[i] for entry in entries) for i in range(3))
+            tables[relative] = FrameTable(self.frame_size, sizes, crcs, codecs, packed.size)
 
         try:
             await gather_or_cancel(one(relative, p) for relative, p in uploads.items())
@@ -270,6 +303,32 @@ class S3Writer(StorageWriter):
             stored: _Stored = result.storage_data
             stored.frames = tables.pop(stored.locator.key, None)
         return results
+
+    async def _encoded(
+        self, packed: Packed, entries: list[tuple[int, int, int]]
+    ) -> AsyncIterator[bytes | memoryview]:
+        """The object's frames, compressed in worker threads a few at a time, in order; each
+        frame's (stored size, CRC32C, codec) is appended to ``entries``."""
+        loop = asyncio.get_running_loop()
+        window: deque[asyncio.Future[tuple[bytes | memoryview, int, int]]] = deque()
+        depth = max(2, os.cpu_count() or 2)
+        frames = range(-(-packed.size // self.frame_size))
+        for number in itertools.chain(frames, [None] * depth):
+            if number is not None:
+                window.append(
+                    loop.run_in_executor(
+                        None,
+                        packed.encode_frame,
+                        number,
+                        self.frame_size,
+                        self.compression_level,
+                        self.shuffle,
+                    )
+                )
+            if window and (len(window) >= depth or number is None):
+                stored, codec, crc = await window.popleft()
+                entries.append((len(stored), crc, codec))
+                yield stored
 
     async def _commit(self, record: bytes, keys: list[str]) -> None:
         transfer, location = self._transfer, self.location
@@ -332,57 +391,6 @@ class _Stored:
 
     locator: Locator
     frames: FrameTable | None = None
-
-
-def _frame_table(packed: _Packed, frame_size: int) -> FrameTable:
-    """CRC32C of every frame of the object's bytes (run in a worker thread)."""
-    scratch = memoryview(bytearray(min(frame_size, packed.size)))
-    starts = range(0, packed.size, frame_size)
-    crcs = [checksum(packed.read(s, min(s + frame_size, packed.size), scratch)) for s in starts]
-    return FrameTable.raw(frame_size, crcs, packed.size)
-
-
-class _Packed:
-    """Items stored back to back in one object; parts are produced on demand.
-
-    A part lying inside one CPU tensor is a zero-copy view; any other part is assembled in the
-    scratch buffer the transfer engine lends (copying from accelerator memory if need be).
-    """
-
-    def __init__(self, values: list[torch.Tensor | bytes]) -> None:
-        self._values = values
-        self.lengths = [v.numel() if isinstance(v, torch.Tensor) else len(v) for v in values]
-        self.starts = [0] * len(values)
-        for i in range(1, len(values)):
-            self.starts[i] = self.starts[i - 1] + self.lengths[i - 1]
-        self.size = sum(self.lengths)
-
-    def read(self, start: int, end: int, scratch: memoryview) -> memoryview:
-        pieces = [
-            (i, max(start, s) - s, min(end, s + n) - s)
-            for i, (s, n) in enumerate(zip(self.starts, self.lengths, strict=True))
-            if s < end and s + n > start and n > 0
-        ]
-        if len(pieces) == 1:
-            i, lo, hi = pieces[0]
-            value = self._values[i]
-            if not isinstance(value, torch.Tensor):
-                return memoryview(value)[lo:hi]
-            if value.device.type == "cpu":
-                return memory_of(value)[lo:hi]
-        out = scratch[: end - start]
-        at = 0
-        for i, lo, hi in pieces:
-            value = self._values[i]
-            if isinstance(value, torch.Tensor):
-                # torch copies without the GIL, so parts are assembled in parallel.
-                torch.frombuffer(out, dtype=torch.uint8, offset=at, count=hi - lo).copy_(
-                    value[lo:hi]
-                )
-            else:
-                out[at : at + hi - lo] = value[lo:hi]
-            at += hi - lo
-        return out
 
 
 def _planned_size(item: WriteItem) -> int:

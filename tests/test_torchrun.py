@@ -18,6 +18,7 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
 from s3ckpt import S3Reader
+from s3ckpt.packing import ALIGN
 
 from . import torchrun_worker
 from .helpers import listing, uploads_in_progress
@@ -95,7 +96,9 @@ def test_fsdp2_async_save_on_4_ranks_then_load_on_4_2_and_1(
     reader.read_metadata()
     assert reader.checkpoint is not None
     locators = reader.checkpoint.locators
-    assert sum(stored.values()) == sum(loc.length for loc in locators.values()), (
+    item_bytes = sum(loc.length for loc in locators.values())
+    padding = (ALIGN - 1) * len(locators)  # items start at multiples of ALIGN
+    assert item_bytes <= sum(stored.values()) <= item_bytes + padding, (
         "no item is stored by more than one rank"
     )
     single: set[str] = set()

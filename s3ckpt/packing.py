@@ -1,0 +1,103 @@
+"""How one rank's items become the bytes of an object. No I/O.
+
+Items are stored back to back, each starting at a multiple of 8 bytes (zeros in between), so that
+a frame cut from a tensor's bytes starts on an element boundary and a byte-plane shuffle lines up
+with the elements. Parts and frames are produced on demand from the items' own memory: a range
+lying inside one CPU tensor is a zero-copy view; any other range is assembled in a scratch
+buffer (copying from accelerator memory if need be).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import frames
+from .frames import FrameTable
+from .tensorbytes import memory_of
+
+__all__ = ["ALIGN", "Packed", "element_size"]
+
+ALIGN = 8
+
+
+def element_size(dtype: torch.dtype) -> int | None:
+    """The element size a byte-plane shuffle should use for ``dtype`` (None: do not shuffle)."""
+    if dtype.is_floating_point:
+        return dtype.itemsize
+    if dtype.is_complex:
+        return dtype.itemsize // 2
+    return None
+
+
+class Packed:
+    """The items of one object, packed; ``starts``/``lengths`` locate each item's bytes."""
+
+    def __init__(self, values: list[torch.Tensor | bytes], elements: list[int | None]) -> None:
+        self._values = values
+        self._elements = elements
+        self.lengths = [v.numel() if isinstance(v, torch.Tensor) else len(v) for v in values]
+        self.starts: list[int] = []
+        end = 0
+        for length in self.lengths:
+            start = -(-end // ALIGN) * ALIGN
+            self.starts.append(start)
+            end = start + length
+        self.size = end
+
+    def _pieces(self, start: int, end: int) -> list[tuple[int, int, int]]:
+        """``(item, lo, hi)``: the part of each item's bytes inside ``[start, end)``."""
+        return [
+            (i, max(start, s) - s, min(end, s + n) - s)
+            for i, (s, n) in enumerate(zip(self.starts, self.lengths, strict=True))
+            if s < end and s + n > start and n > 0
+        ]
+
+    def read(self, start: int, end: int, scratch: memoryview) -> memoryview:
+        """Bytes ``[start, end)``: a view of an item's memory, or ``scratch`` filled with them."""
+        pieces = self._pieces(start, end)
+        if len(pieces) == 1 and pieces[0][2] - pieces[0][1] == end - start:
+            i, lo, hi = pieces[0]
+            value = self._values[i]
+            if not isinstance(value, torch.Tensor):
+                return memoryview(value)[lo:hi]
+            if value.device.type == "cpu":
+                return memory_of(value)[lo:hi]
+        out = scratch[: end - start]
+        if not out:
+            return out
+        target = torch.frombuffer(out, dtype=torch.uint8)
+        if sum(hi - lo for _, lo, hi in pieces) != len(out):
+            target.zero_()  # alignment gaps
+        for i, lo, hi in pieces:
+            value, at = self._values[i], self.starts[i] + lo - start
+            if isinstance(value, torch.Tensor):
+                # torch copies without the GIL, so parts are assembled in parallel.
+                target[at : at + hi - lo].copy_(value[lo:hi])
+            else:
+                out[at : at + hi - lo] = value[lo:hi]
+        return out
+
+    def shuffle_size(self, start: int, end: int) -> int | None:
+        """The element size shared by every item in ``[start, end)``, if there is one."""
+        sizes = {self._elements[i] for i, _, _ in self._pieces(start, end)}
+        return sizes.pop() if len(sizes) == 1 else None
+
+    def frame_table(self, frame_size: int) -> FrameTable:
+        """CRC32C of every frame of the bytes as they are (run in a worker thread)."""
+        scratch = memoryview(bytearray(min(frame_size, self.size)))
+        crcs = [
+            frames.checksum(self.read(s, min(s + frame_size, self.size), scratch))
+            for s in range(0, self.size, frame_size)
+        ]
+        return FrameTable.raw(frame_size, crcs, self.size)
+
+    def encode_frame(
+        self, number: int, frame_size: int, level: int, shuffle: bool
+    ) -> tuple[bytes | memoryview, int, int]:
+        """Frame ``number`` compressed: its stored bytes, codec and CRC32C (worker thread)."""
+        start = number * frame_size
+        end = min(start + frame_size, self.size)
+        raw = self.read(start, end, memoryview(bytearray(end - start)))
+        itemsize = self.shuffle_size(start, end) if shuffle else None
+        stored, codec = frames.encode(raw, level, itemsize)
+        return stored, codec, frames.checksum(stored)
