@@ -1,0 +1,118 @@
+"""The ``s3ckpt`` command line: list, inspect, export and clean up checkpoints, and measure the
+endpoint (see `s3ckpt.catalog`).
+
+Exit codes: 0 ok, 1 a storage or runtime error (its message on stderr) or a declined prompt,
+2 a usage error, 3 no (committed) checkpoint where one was asked for. Results go to stdout (JSON
+with ``--json``); prompts, progress bars and errors go to stderr, so pipes carry only results.
+
+The subcommands live in `manage` (ls, latest, info, rm, prune, gc) and `data` (export, bench),
+registered with `command` as they are imported; `main` parses, checks --yes, builds the config
+and maps errors to exit codes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from .. import __version__
+from ..config import MiB, S3Config
+from ..errors import CheckpointNotFound, ConfigError, IncompleteCheckpoint, S3CkptError
+from . import data, manage  # noqa: F401  (importing them registers their subcommands)
+from .base import (
+    COMMANDS,
+    EXIT_ERROR,
+    EXIT_NOT_FOUND,
+    EXIT_USAGE,
+    URL,
+    Session,
+    arg,
+    command,
+    fail,
+)
+
+__all__ = ["URL", "Session", "arg", "build_parser", "command", "main"]
+
+
+def _add_connection_options(parser: argparse.ArgumentParser, default: Any) -> None:
+    """On the main parser and on each subcommand, so options go before or after it. The
+    subcommands' default is SUPPRESS, or they would reset what was given before the command."""
+    group = parser.add_argument_group("connection and output")
+    unset: dict[str, Any] = {"default": default}
+    group.add_argument("--endpoint-url", help="S3 endpoint (else AWS_ENDPOINT_URL...)", **unset)
+    group.add_argument("--profile", help="AWS profile", **unset)
+    group.add_argument("--region", help="region (else AWS_REGION..., us-east-1)", **unset)
+    group.add_argument("--ca-bundle", metavar="PEM", help="CA certificates to trust", **unset)
+    group.add_argument(
+        "--part-size",
+        type=int,
+        metavar="MIB",
+        help="part size, and the size above which objects are split (default 16)",
+        **unset,
+    )
+    group.add_argument(
+        "--max-concurrency", type=int, metavar="N", help="requests in flight (default 16)", **unset
+    )
+    flag: dict[str, Any] = {"action": "store_true", "default": default is not None and default}
+    group.add_argument("--no-verify-ssl", help="do not verify TLS certificates", **flag)
+    group.add_argument("--json", help="print results as JSON", **flag)
+    group.add_argument("--yes", "-y", help="do not ask before deleting", **flag)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="s3ckpt", description="Inspect, export and clean up s3ckpt checkpoints on S3."
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    _add_connection_options(parser, None)
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for spec in COMMANDS.values():
+        sub = subparsers.add_parser(spec.name, help=spec.help, description=spec.help)
+        for flags, options in spec.arguments:
+            sub.add_argument(*flags, **options)
+        _add_connection_options(sub, argparse.SUPPRESS)
+    return parser
+
+
+def _config(args: argparse.Namespace) -> S3Config:
+    tuning: dict[str, Any] = {}
+    if args.part_size is not None:
+        tuning["part_size"] = tuning["multipart_threshold"] = args.part_size * MiB
+    if args.max_concurrency is not None:
+        tuning["max_concurrency"] = args.max_concurrency
+    return S3Config(
+        endpoint_url=args.endpoint_url,
+        region=args.region,
+        profile=args.profile,
+        verify=not args.no_verify_ssl,
+        ca_bundle=args.ca_bundle,
+        **tuning,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; returns the exit code instead of exiting, so it can be called."""
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # --help or --version (0), or a usage error argparse printed (2)
+        return e.code if isinstance(e.code, int) else EXIT_USAGE
+    spec = COMMANDS[args.command]
+    if spec.destructive(args) and not args.yes and not (sys.stdin and sys.stdin.isatty()):
+        print(
+            f"s3ckpt {spec.name}: stdin is not a terminal to confirm the deletion on; "
+            "pass --yes to delete without asking",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    try:
+        return spec.run(Session(args, _config(args)))
+    except ConfigError as e:
+        return fail(e, EXIT_USAGE)
+    except (CheckpointNotFound, IncompleteCheckpoint) as e:
+        return fail(e, EXIT_NOT_FOUND)
+    except S3CkptError as e:
+        return fail(e, EXIT_ERROR)
+    except KeyboardInterrupt:
+        return fail("interrupted", 130)

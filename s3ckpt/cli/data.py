@@ -1,0 +1,168 @@
+"""Subcommands that move bytes: ``export`` a checkpoint to a local file, ``bench`` the endpoint."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import secrets
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import bridge, catalog
+from ..config import MiB, parse_s3_url
+from ..errors import S3CkptError
+from ..transfer import Transfer, gather_or_cancel, get_transfer
+from .base import EXIT_OK, URL, Session, arg, command, human_size
+
+_MB = 1e6  # throughput in decimal MB/s, as storage vendors quote it
+
+
+@command(
+    "export",
+    "load the committed checkpoint at URL into one local torch.save file",
+    URL,
+    arg("out", metavar="OUT.pt", type=Path, help="file to write (replaced only when complete)"),
+)
+def _export(session: Session) -> int:
+    url, out = session.args.url, session.args.out
+    print(f"export: reading {url}", file=sys.stderr)
+    started = time.perf_counter()
+    with session.progress("B") as progress:
+        state = catalog.read_state(url, session.config, progress=progress)
+    loaded = time.perf_counter() - started
+    tensors = [v for v in _leaves(state) if isinstance(v, torch.Tensor)]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    print(f"export: read {human_size(nbytes)} in {loaded:.1f} s; writing {out}", file=sys.stderr)
+    partial = out.with_name(f".{out.name}.partial")
+    try:
+        torch.save(state, partial)
+        os.replace(partial, out)
+    finally:
+        partial.unlink(missing_ok=True)
+    result = {"checkpoint": url, "path": str(out), "tensors": len(tensors), "tensor_bytes": nbytes}
+    session.emit(result, f"wrote {out}: {len(tensors)} tensors, {human_size(nbytes)}, from {url}")
+    return EXIT_OK
+
+
+def _leaves(value: Any) -> list[Any]:
+    if isinstance(value, dict):
+        return [leaf for item in value.values() for leaf in _leaves(item)]
+    if isinstance(value, (list, tuple)):
+        return [leaf for item in value for leaf in _leaves(item)]
+    return [value]
+
+
+def _mib(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of MiB, at least 1: {text!r}")
+    return int(text)
+
+
+@command(
+    "bench",
+    "measure upload and ranged-download throughput with these settings, on a temporary object",
+    arg(
+        "url",
+        metavar="URL",
+        nargs="?",
+        help="s3://bucket[/prefix] to write the object under (default: a temporary bucket)",
+    ),
+    arg("--size", type=_mib, default=256, metavar="MIB", help="object size (default: 256 MiB)"),
+)
+def _bench(session: Session) -> int:
+    config, size = session.config, session.args.size * MiB
+    transfer = get_transfer(config)
+    token = secrets.token_hex(6)
+    if session.args.url is None:
+        bucket, prefix, temporary = f"s3ckpt-bench-{token}", "", True
+    else:
+        (bucket, prefix), temporary = parse_s3_url(session.args.url), False
+    key = f"{prefix}/s3ckpt-bench-{token}" if prefix else f"s3ckpt-bench-{token}"
+    where = f"s3://{bucket}/{key} at {transfer.endpoint}"
+    print(f"bench: writing {human_size(size)} to {where}, then reading it back", file=sys.stderr)
+    payload = _Random(os.urandom(size))
+    result = bridge.run(_measure(transfer, bucket, key, payload, temporary))
+    settings = {
+        "endpoint": transfer.endpoint,
+        "part_size": config.part_size,
+        "multipart_threshold": config.multipart_threshold,
+        "max_concurrency": config.max_concurrency,
+        "bytes": size,
+        "object": f"s3://{bucket}/{key}",
+    }
+    lines = [
+        f"endpoint:  {transfer.endpoint}",
+        f"settings:  part size {human_size(config.part_size)}, max concurrency "
+        f"{config.max_concurrency}, multipart threshold {human_size(config.multipart_threshold)}",
+    ]
+    for name, unit in (("upload", "parts"), ("download", "ranged GETs")):
+        phase = result[name]
+        lines.append(
+            f"{name + ':':<10} {human_size(size)} as {phase['requests']} {unit}: "
+            f"{phase['seconds']:.2f} s, {phase['mb_per_s']:.1f} MB/s"
+        )
+    session.emit({"settings": settings, **result}, "\n".join(lines))
+    return EXIT_OK
+
+
+@dataclass(frozen=True)
+class _Random:
+    """Random bytes (no store can compress or deduplicate them), served as `Payload` views."""
+
+    data: bytes
+
+    @property
+    def size(self) -> int:
+        return len(self.data)
+
+    def read(self, start: int, end: int, scratch: memoryview) -> memoryview:
+        return memoryview(self.data)[start:end]
+
+
+async def _measure(
+    transfer: Transfer, bucket: str, key: str, payload: _Random, temporary: bool
+) -> dict[str, dict[str, float]]:
+    """Upload, then read back with one ranged GET per part (as loads do), checking the bytes.
+    The object, and a temporary bucket, are deleted whatever happens."""
+    if temporary:
+        await transfer.create_bucket(bucket)
+    try:
+        started = time.perf_counter()
+        await transfer.upload(bucket, key, payload)
+        upload_s = time.perf_counter() - started
+        sink = memoryview(bytearray(payload.size))
+        step = transfer.config.part_size
+        ranges = [(at, min(at + step, payload.size)) for at in range(0, payload.size, step)]
+
+        async def fetch(start: int, end: int) -> None:
+            async with transfer.slot():
+                await transfer.get_scattered(bucket, key, start, end, [(start, sink[start:end])])
+
+        started = time.perf_counter()
+        await gather_or_cancel(fetch(start, end) for start, end in ranges)
+        download_s = time.perf_counter() - started
+        if sink != payload.data:
+            raise S3CkptError(f"s3://{bucket}/{key}: the bytes read back differ from those sent")
+    finally:
+        await asyncio.shield(_clean_up(transfer, bucket, key, temporary))
+    parts = len(ranges) if payload.size > transfer.config.multipart_threshold else 1
+    return {
+        "upload": _phase(payload.size, upload_s, parts),
+        "download": _phase(payload.size, download_s, len(ranges)),
+    }
+
+
+def _phase(size: int, seconds: float, requests: int) -> dict[str, float]:
+    return {"seconds": seconds, "mb_per_s": size / _MB / seconds, "requests": requests}
+
+
+async def _clean_up(transfer: Transfer, bucket: str, key: str, temporary: bool) -> None:
+    await transfer.delete(bucket, [key])
+    if temporary:
+        await transfer._call("delete_bucket", bucket, None)

@@ -1,0 +1,344 @@
+"""Delete checkpoints safely: what ``s3ckpt rm/prune/gc`` do (import them from `s3ckpt.catalog`).
+
+Removal deletes ``.metadata`` first, so a checkpoint stops being loadable at once and a crash
+midway leaves only unreferenced objects, which `gc` finds later. `gc` judges each save
+(``data-<id>/``) as a whole, by its newest object or uploaded part, so a save that is still
+running somewhere is left alone even if it started long ago.
+
+Removals plan, then call ``confirm`` (in the caller's thread) with what they would remove, and
+only then delete. The I/O runs on the `bridge` loop through the shared `Transfer`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from . import bridge, scan
+from .config import S3Config
+from .errors import AccessDenied, CheckpointNotFound, ConfigError, ObjectNotFound, StorageError
+from .layout import Location
+from .scan import CheckpointInfo, Progress, StoredObject, Upload
+from .transfer import Transfer
+
+__all__ = ["GcReport", "Removal", "delete", "gc", "prune"]
+
+_BATCH = 1000  # DeleteObjects' limit
+
+
+@dataclass(frozen=True)
+class Removal:
+    """What a removal deleted; ``confirm`` gets one that says what it would delete."""
+
+    bucket: str
+    deleted: tuple[str, ...] = ()
+    aborted: tuple[Upload, ...] = ()
+    bytes_freed: int = 0
+
+
+@dataclass(frozen=True)
+class GcReport(Removal):
+    """`gc`'s result; ``skipped`` were too young (or their checkpoint changed while gc ran)."""
+
+    skipped: tuple[str, ...] = ()
+    skipped_uploads: tuple[Upload, ...] = ()
+    dry_run: bool = False
+
+
+@dataclass(eq=False)
+class _Target:
+    """One checkpoint's share of a removal. ``etag`` is its ``.metadata``'s when planned (None:
+    absent); a guarded removal skips the target if it has changed since."""
+
+    location: Location
+    etag: str | None
+    record_size: int | None = None  # a .metadata to delete first
+    objects: list[StoredObject] = field(default_factory=list)
+    uploads: list[Upload] = field(default_factory=list)
+    young: list[str] = field(default_factory=list)  # gc: kept, their save is recent
+    young_uploads: list[Upload] = field(default_factory=list)
+
+
+def delete(
+    url: str,
+    config: S3Config | None = None,
+    *,
+    confirm: Callable[[Removal], bool] | None = None,
+    progress: Progress | None = None,
+) -> Removal:
+    """Delete the checkpoint at ``url``: ``.metadata``, then its data objects, then abort its
+    multipart uploads. If ``confirm`` declines, nothing is deleted (an empty Removal returns)."""
+    location, transfer = scan.location_of(url), scan.transfer_for(config)
+    target = bridge.run(_plan_delete(transfer, location))
+    if confirm is not None and not confirm(_preview(location.bucket, [target])):
+        return Removal(location.bucket)
+    return bridge.run(_remove(transfer, location, [target], progress, guarded=False))[0]
+
+
+def prune(
+    url: str,
+    keep: int,
+    config: S3Config | None = None,
+    *,
+    confirm: Callable[[list[CheckpointInfo]], bool] | None = None,
+    progress: Progress | None = None,
+) -> list[CheckpointInfo]:
+    """Delete all but the newest ``keep`` (>= 1) committed checkpoints under ``url``; returns
+    those deleted. Incomplete ones are left to `gc`: they may be saves in progress."""
+    if keep < 1:
+        raise ConfigError(f"keep must be >= 1 (the latest checkpoint is never pruned), got {keep}")
+    location, transfer = scan.location_of(url), scan.transfer_for(config)
+    plan = bridge.run(_plan_prune(transfer, location, keep))
+    if not plan or (confirm is not None and not confirm([info for info, _ in plan])):
+        return []
+    targets = [target for _, target in plan]
+    _, dropped = bridge.run(_remove(transfer, location, targets, progress, guarded=True))
+    return [info for info, target in plan if target not in dropped]
+
+
+def gc(
+    url: str,
+    older_than: timedelta = timedelta(hours=1),
+    config: S3Config | None = None,
+    dry_run: bool = False,
+    *,
+    confirm: Callable[[GcReport], bool] | None = None,
+    progress: Progress | None = None,
+) -> GcReport:
+    """Delete data objects no committed ``.metadata`` references and abort multipart uploads, in
+    the checkpoint at ``url`` and those directly under it, of saves that have written nothing for
+    ``older_than`` by the server's clock: a more recent one may still be running."""
+    if older_than < timedelta(0):
+        raise ConfigError(f"older_than must not be negative, got {older_than}")
+    location, transfer = scan.location_of(url), scan.transfer_for(config)
+    targets = bridge.run(_plan_gc(transfer, location, older_than))
+    young = [key for t in targets for key in t.young]
+    young_uploads = [upload for t in targets for upload in t.young_uploads]
+    targets = [t for t in targets if t.objects or t.uploads]
+    report = _report(_preview(location.bucket, targets), young, young_uploads)
+    if dry_run or (confirm is not None and not confirm(report)):
+        return report
+    removal, dropped = bridge.run(_remove(transfer, location, targets, progress, guarded=True))
+    young += [obj.key for t in dropped for obj in t.objects]
+    return _report(removal, young, young_uploads + [u for t in dropped for u in t.uploads], False)
+
+
+def _report(
+    removal: Removal, young: list[str], young_uploads: list[Upload], dry_run: bool = True
+) -> GcReport:
+    return GcReport(
+        removal.bucket,
+        removal.deleted,
+        removal.aborted,
+        removal.bytes_freed,
+        skipped=tuple(young),
+        skipped_uploads=tuple(young_uploads),
+        dry_run=dry_run,
+    )
+
+
+# ------------------------------------------------------------------------------- planning
+
+
+async def _plan_delete(transfer: Transfer, location: Location) -> _Target:
+    head = await transfer.head(location.bucket, location.metadata_key)
+    data, _ = await scan.data_objects(transfer, location)
+    uploads = [u for u, _ in (await scan.uploads(transfer, location)).get(location.prefix, [])]
+    size = None if head is None else int(head["ContentLength"])
+    target = _Target(location, None, size, [obj for obj, _ in data], uploads)
+    if head is None and not target.objects and not target.uploads:
+        raise CheckpointNotFound(
+            f"no checkpoint at {location.url} (no .metadata, data objects or uploads)",
+            url=location.url,
+        )
+    return target
+
+
+async def _plan_prune(
+    transfer: Transfer, location: Location, keep: int
+) -> list[tuple[CheckpointInfo, _Target]]:
+    committed = [f for f in await scan.survey(transfer, location) if f.info.committed]
+    victims = sorted(committed, key=lambda f: scan.newness(f.info), reverse=True)[keep:]
+    if not victims:
+        return []
+    uploads = await scan.uploads(transfer, location)
+    data = await scan.run_all(lambda f: scan.data_objects(transfer, f.location), victims, transfer)
+    plan = []
+    for f, (objects, _) in zip(victims, data, strict=True):
+        mine = [u for u, _ in uploads.get(f.location.prefix, [])]
+        target = _Target(f.location, f.etag, f.record_size, [o for o, _ in objects], mine)
+        plan.append((f.info, target))
+    return plan
+
+
+async def _plan_gc(transfer: Transfer, location: Location, older_than: timedelta) -> list[_Target]:
+    candidates, uploads = await scan.candidates(transfer, location, with_uploads=True)
+    return await scan.run_all(
+        lambda c: _gc_one(transfer, c, uploads.get(c.prefix, []), older_than), candidates, transfer
+    )
+
+
+async def _gc_one(
+    transfer: Transfer,
+    location: Location,
+    uploads: list[tuple[Upload, str]],
+    older_than: timedelta,
+) -> _Target:
+    """Reads ``.metadata`` before listing: objects that a concurrent commit adds are recent."""
+    found = await scan.committed(transfer, location)
+    keep_id, referenced = None, set()
+    if found is not None and found.checkpoint is not None:
+        keep_id = found.checkpoint.save_id
+        referenced = {location.key(key) for key in found.checkpoint.objects}
+    data, now = await scan.data_objects(transfer, location)
+    saves: dict[str, tuple[list[StoredObject], list[Upload]]] = {}
+    for obj, save_id in data:
+        if save_id != keep_id and obj.key not in referenced:
+            saves.setdefault(save_id, ([], []))[0].append(obj)
+    for upload, save_id in uploads:
+        saves.setdefault(save_id, ([], []))[1].append(upload)
+    target = _Target(location, None if found is None else found.etag)
+    for objects, save_uploads in saves.values():
+        if await _idle(transfer, location.bucket, objects, save_uploads, now - older_than):
+            target.objects += objects
+            target.uploads += save_uploads
+        else:
+            target.young += [obj.key for obj in objects]
+            target.young_uploads += save_uploads
+    return target
+
+
+async def _idle(
+    transfer: Transfer,
+    bucket: str,
+    objects: list[StoredObject],
+    uploads: list[Upload],
+    cutoff: datetime,
+) -> bool:
+    """Whether one save has written nothing since ``cutoff``: neither an object, nor an upload
+    or a part of one (a large upload can start long before its last part arrives)."""
+    written = [obj.modified for obj in objects] + [upload.initiated for upload in uploads]
+    if not all(scan.is_old(when, cutoff) for when in written):
+        return False
+    newest = await scan.run_all(lambda u: _last_part(transfer, bucket, u), uploads, transfer)
+    return all(scan.is_old(t, cutoff) for t in newest if t is not None)
+
+
+async def _last_part(transfer: Transfer, bucket: str, upload: Upload) -> datetime | None:
+    """When the upload's newest part arrived; None if it has none or is gone."""
+    newest: datetime | None = None
+    marker: dict[str, Any] = {}
+    while True:
+        try:
+            reply = await transfer._call(
+                "list_parts",
+                bucket,
+                upload.key,
+                Key=upload.key,
+                UploadId=upload.upload_id,
+                **marker,
+            )
+        except ObjectNotFound:  # completed or aborted meanwhile: nothing left to age
+            return None
+        for part in reply.get("Parts", []):
+            modified = scan.utc(part["LastModified"])
+            newest = modified if newest is None else max(newest, modified)
+        if not reply.get("IsTruncated"):
+            return newest
+        marker = {"PartNumberMarker": reply["NextPartNumberMarker"]}
+
+
+def _preview(bucket: str, targets: list[_Target]) -> Removal:
+    records = [t.location.metadata_key for t in targets if t.record_size is not None]
+    return Removal(
+        bucket,
+        tuple(records + [obj.key for t in targets for obj in t.objects]),
+        tuple(upload for t in targets for upload in t.uploads),
+        sum((t.record_size or 0) + sum(obj.size for obj in t.objects) for t in targets),
+    )
+
+
+async def _unchanged(transfer: Transfer, target: _Target) -> bool:
+    head = await transfer.head(target.location.bucket, target.location.metadata_key)
+    return (None if head is None else str(head["ETag"])) == target.etag
+
+
+async def _remove(
+    transfer: Transfer,
+    location: Location,
+    targets: list[_Target],
+    progress: Progress | None,
+    *,
+    guarded: bool,
+) -> tuple[Removal, list[_Target]]:
+    """Every ``.metadata`` first, then data objects, then uploads. Returns what was removed and
+    (when ``guarded``) the targets skipped because their ``.metadata`` changed since planning."""
+    dropped: list[_Target] = []
+    if guarded:
+        same = await scan.run_all(lambda t: _unchanged(transfer, t), targets, transfer)
+        dropped = [t for t, ok in zip(targets, same, strict=True) if not ok]
+        targets = [t for t, ok in zip(targets, same, strict=True) if ok]
+    plan = _preview(location.bucket, targets)
+    total, done = len(plan.deleted) + len(plan.aborted), 0
+
+    def advance(count: int) -> None:
+        nonlocal done
+        done += count
+        if progress is not None:
+            progress(done, total)
+
+    advance(0)
+    records = [t.location.metadata_key for t in targets if t.record_size is not None]
+    await _delete(transfer, plan.bucket, records, advance, f"cannot remove {location.url}")
+    doing = f"deleting unreferenced data objects under {location.url} failed"
+    if records:
+        doing = (
+            f"{len(records)} checkpoint(s) at {location.url} no longer load (.metadata deleted), "
+            "but not all of their data objects could be deleted (run rm or gc again)"
+        )
+    await _delete(transfer, plan.bucket, list(plan.deleted[len(records) :]), advance, doing)
+    doing = f"{location.url}: objects deleted, but a multipart upload could not be aborted"
+    aborted = await scan.run_all(
+        lambda u: _abort(transfer, plan.bucket, u, advance, doing), plan.aborted, transfer
+    )
+    done_uploads = tuple(u for u, ok in zip(plan.aborted, aborted, strict=True) if ok)
+    return Removal(plan.bucket, plan.deleted, done_uploads, plan.bytes_freed), dropped
+
+
+async def _delete(
+    transfer: Transfer, bucket: str, keys: list[str], advance: Callable[[int], None], doing: str
+) -> None:
+    for start in range(0, len(keys), _BATCH):
+        batch = keys[start : start + _BATCH]
+        try:
+            await transfer.delete(bucket, batch)
+        except StorageError as e:
+            raise _refused(e, doing) from e
+        advance(len(batch))
+
+
+async def _abort(
+    transfer: Transfer, bucket: str, upload: Upload, advance: Callable[[int], None], doing: str
+) -> bool:
+    """Abort one upload (`Transfer.abort` hides failures); False if it was already gone."""
+    try:
+        await transfer._call(
+            "abort_multipart_upload", bucket, upload.key, Key=upload.key, UploadId=upload.upload_id
+        )
+    except ObjectNotFound:  # completed or aborted since it was listed
+        advance(1)
+        return False
+    except StorageError as e:
+        raise _refused(e, f"{doing} (s3://{bucket}/{upload.key})") from e
+    advance(1)
+    return True
+
+
+def _refused(error: StorageError, doing: str) -> StorageError:
+    """The same error, saying how far the removal got. DeleteObjects reports a refused key in its
+    reply, which `Transfer.delete` raises as a plain StorageError: type it AccessDenied."""
+    kind = AccessDenied if getattr(error, "code", None) == "AccessDenied" else type(error)
+    context = {name: value for name, value in vars(error).items() if name != "message"}
+    return kind(f"{doing}: {error.message}", **context)
