@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 from typing import Any
 
@@ -10,6 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from s3ckpt import ChecksumMismatch, S3Reader, S3Writer
+from s3ckpt.cli import main
 from s3ckpt.frames import FrameCheck, FrameTable, checksum
 from s3ckpt.transfer import get_transfer
 from s3ckpt.verify import verify
@@ -121,3 +123,18 @@ def test_frame_check_finds_the_damaged_frame_and_restarts_it() -> None:
     with pytest.raises(FrameCheck.Mismatch) as info:
         check.feed(4096, data[4096:])
     assert (info.value.start, info.value.end) == (8192, 10_240)
+
+
+def test_cli_verify_reports_a_good_checkpoint_and_fails_on_damage(
+    s3: Any, bucket: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3.access_key_id)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3.secret_access_key)
+    saved_checkpoint(s3, bucket)
+    url = f"s3://{bucket}/ck"
+    assert main(["--endpoint-url", s3.endpoint_url, "--json", "verify", url]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["url"] == url and report["frames"] > 0
+    key, _ = flip_byte_of(s3, bucket, "spared", at=5)
+    assert main(["--endpoint-url", s3.endpoint_url, "verify", url]) == 1
+    assert key in capsys.readouterr().err

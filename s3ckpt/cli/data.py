@@ -1,9 +1,10 @@
-"""Subcommands that move bytes: ``export`` a checkpoint to a local file, ``bench`` the endpoint."""
+"""Subcommands that move bytes: ``export`` to a local file, ``verify`` checksums, ``bench``."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import secrets
 import sys
@@ -18,6 +19,7 @@ from .. import bridge, catalog
 from ..config import MiB, parse_s3_url
 from ..errors import S3CkptError
 from ..transfer import Transfer, gather_or_cancel, get_transfer
+from ..verify import verify
 from .base import EXIT_OK, URL, Session, arg, command, human_size
 
 _MB = 1e6  # throughput in decimal MB/s, as storage vendors quote it
@@ -47,6 +49,21 @@ def _export(session: Session) -> int:
         partial.unlink(missing_ok=True)
     result = {"checkpoint": url, "path": str(out), "tensors": len(tensors), "tensor_bytes": nbytes}
     session.emit(result, f"wrote {out}: {len(tensors)} tensors, {human_size(nbytes)}, from {url}")
+    return EXIT_OK
+
+
+@command(
+    "verify",
+    "read every stored byte of the committed checkpoint at URL and check its checksums",
+    URL,
+)
+def _verify(session: Session) -> int:
+    report = verify(session.args.url, session.config)
+    text = (
+        f"ok: {report.url}: {report.frames} frames in {report.objects} objects, "
+        f"{human_size(report.bytes)} read and checked"
+    )
+    session.emit(dataclasses.asdict(report), text)
     return EXIT_OK
 
 
