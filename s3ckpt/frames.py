@@ -120,7 +120,8 @@ class FrameTable:
     def frames(self, start: int, end: int) -> range:
         """The frames holding raw bytes ``[start, end)``."""
         first = start // self.frame_size
-        return range(first, max(first, (end - 1) // self.frame_size) + 1)
+        last = min(max(first, (end - 1) // self.frame_size), len(self.sizes) - 1)
+        return range(first, last + 1)
 
     def covering(self, start: int, end: int) -> tuple[int, int]:
         """The stored byte range of the frames that hold raw bytes ``[start, end)``."""

@@ -52,16 +52,23 @@ class Packed:
             if s < end and s + n > start and n > 0
         ]
 
+    def view(self, start: int, end: int) -> memoryview | None:
+        """Bytes ``[start, end)`` without a copy when they lie inside one item in CPU memory."""
+        pieces = self._pieces(start, end)
+        if len(pieces) != 1 or pieces[0][2] - pieces[0][1] != end - start:
+            return None
+        i, lo, hi = pieces[0]
+        value = self._values[i]
+        if not isinstance(value, torch.Tensor):
+            return memoryview(value)[lo:hi]
+        return memory_of(value)[lo:hi] if value.device.type == "cpu" else None
+
     def read(self, start: int, end: int, scratch: memoryview) -> memoryview:
         """Bytes ``[start, end)``: a view of an item's memory, or ``scratch`` filled with them."""
+        direct = self.view(start, end)
+        if direct is not None:
+            return direct
         pieces = self._pieces(start, end)
-        if len(pieces) == 1 and pieces[0][2] - pieces[0][1] == end - start:
-            i, lo, hi = pieces[0]
-            value = self._values[i]
-            if not isinstance(value, torch.Tensor):
-                return memoryview(value)[lo:hi]
-            if value.device.type == "cpu":
-                return memory_of(value)[lo:hi]
         out = scratch[: end - start]
         if not out:
             return out

@@ -130,7 +130,10 @@ class S3Reader(StorageReader):
             targets.extend(item_targets)
             remaining[number] = len(item_targets)
             finishers[number] = finish
-        fetches = plan_fetches(targets, max_gap=self.max_gap, max_size=self.config.part_size)
+        frames = {self.location.key(key): t.frame_size for key, t in self._frames.items()}
+        fetches = plan_fetches(
+            targets, max_gap=self.max_gap, max_size=self.config.part_size, align=frames
+        )
         return bridge.to_torch_future(bridge.submit(self._fetch_all(fetches, remaining, finishers)))
 
     @property

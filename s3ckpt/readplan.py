@@ -11,11 +11,12 @@ memory a load holds beyond its destination tensors is bounded by ``max_size x co
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from .ranges import coalesce, split_range
+from .ranges import coalesce
 
 __all__ = ["Fetch", "Target", "destinations", "plan_fetches"]
 
@@ -45,26 +46,37 @@ class Fetch:
     targets: list[Target] = field(default_factory=list)
 
 
-def plan_fetches(targets: Sequence[Target], *, max_gap: int, max_size: int) -> list[Fetch]:
-    """Group, merge and split targets into fetches; every target is served by exactly one."""
+def plan_fetches(
+    targets: Sequence[Target], *, max_gap: int, max_size: int, align: Mapping[str, int]
+) -> list[Fetch]:
+    """Group, merge and split targets into fetches; every target is served by exactly one.
+
+    ``align[key]`` is the object's frame size: reads fetch whole frames, so splits fall on frame
+    boundaries and merging works on frame-aligned ranges; no frame is fetched twice.
+    """
     by_key: dict[str, list[Target]] = defaultdict(list)
     for target in targets:
         if target.end > target.start:
-            by_key[target.key].extend(_split(target, max_size))
+            by_key[target.key].extend(_split(target, max_size, align[target.key]))
     fetches: list[Fetch] = []
     for key, group in sorted(by_key.items()):
-        merged = coalesce([(t.start, t.end) for t in group], max_gap=max_gap, max_size=max_size)
+        frame = align[key]
+        ranges = [(t.start // frame * frame, -(-t.end // frame) * frame) for t in group]
+        merged = coalesce(ranges, max_gap=max_gap, max_size=max_size)
         fetches.extend(Fetch(key, m.start, m.end, [group[i] for i in m.members]) for m in merged)
     return fetches
 
 
-def _split(target: Target, max_size: int) -> list[Target]:
-    """A zero-copy target larger than ``max_size`` becomes several, each a slice of its sink."""
+def _split(target: Target, max_size: int, frame: int) -> list[Target]:
+    """A zero-copy target larger than ``max_size`` becomes several, cut at frame boundaries,
+    each a slice of its sink."""
     if target.sink is None or target.end - target.start <= max_size:
         return [target]
+    step = max(frame, max_size // frame * frame)
+    cuts = [target.start, *range((target.start // step + 1) * step, target.end, step), target.end]
     return [
         Target(target.item, target.key, s, e, sink=target.sink[s - target.start : e - target.start])
-        for s, e in split_range(target.start, target.end, max_size)
+        for s, e in itertools.pairwise(cuts)
     ]
 
 

@@ -44,6 +44,10 @@ class Payload(Protocol):
     @property
     def size(self) -> int: ...
 
+    def view(self, start: int, end: int) -> memoryview | None:
+        """Bytes ``[start, end)`` as a view of existing memory, if they are in one piece."""
+        ...
+
     def read(self, start: int, end: int, scratch: memoryview) -> memoryview:
         """Bytes ``[start, end)``: a view of existing memory, or ``scratch`` filled with them."""
         ...
@@ -119,8 +123,7 @@ class Transfer(Requests):
             if payload.size <= self.config.multipart_threshold:
                 async with self._semaphore():
                     mode = await self.wire_mode(bucket, key)
-                    with self._parts.borrow(payload.size) as scratch:
-                        body, digest = await _read(payload, 0, payload.size, scratch, mode)
+                    async with self._bytes(payload, 0, payload.size, mode) as (body, digest):
                         await self.put(bucket, key, body, digest=digest)
                 return
             upload_id, retried = await self._create_upload(bucket, key)
@@ -213,6 +216,19 @@ class Transfer(Requests):
             part["ChecksumCRC32C"] = digest["ChecksumCRC32C"]
         return part
 
+    @contextlib.asynccontextmanager
+    async def _bytes(
+        self, payload: Payload, start: int, end: int, mode: str
+    ) -> AsyncIterator[tuple[memoryview, dict[str, Any]]]:
+        """A part's bytes and checksum; a buffer is borrowed only if the bytes must be assembled."""
+        view = payload.view(start, end)
+        if view is not None:
+            loop = asyncio.get_running_loop()
+            yield view, await loop.run_in_executor(None, wire.digest, view, mode)
+            return
+        with self._parts.borrow(end - start) as scratch:
+            yield await _produce(payload, start, end, scratch, mode)
+
     async def _complete(
         self, bucket: str, key: str, upload_id: str, parts: list[dict[str, Any]], size: int
     ) -> None:
@@ -279,19 +295,20 @@ class Transfer(Requests):
     ) -> dict[str, Any]:
         end = min(start + size, payload.size)
         mode = await self.wire_mode(bucket, key)
-        async with self._semaphore():
-            with self._parts.borrow(end - start) as scratch:
-                body, digest = await _read(payload, start, end, scratch, mode)
-                reply = await self._call(
-                    "upload_part",
-                    bucket,
-                    key,
-                    Key=key,
-                    UploadId=upload_id,
-                    PartNumber=number,
-                    Body=body,
-                    **digest,
-                )
+        async with (
+            self._semaphore(),
+            self._bytes(payload, start, end, mode) as (body, digest),
+        ):
+            reply = await self._call(
+                "upload_part",
+                bucket,
+                key,
+                Key=key,
+                UploadId=upload_id,
+                PartNumber=number,
+                Body=body,
+                **digest,
+            )
         self.stats.bytes_sent += end - start
         part = {"PartNumber": number, "ETag": reply["ETag"]}
         if "ChecksumCRC32C" in digest:
@@ -455,11 +472,11 @@ class Transfer(Requests):
         )
 
 
-async def _read(
+async def _produce(
     payload: Payload, start: int, end: int, scratch: memoryview, mode: str
 ) -> tuple[memoryview, dict[str, Any]]:
-    """A part's bytes and their wire checksum, produced in a worker thread: it may copy
-    megabytes (or come from an accelerator) and hash them."""
+    """A part's bytes and their wire checksum, in a worker thread: it may copy megabytes (or
+    come from an accelerator) and hash them."""
 
     def produce() -> tuple[memoryview, dict[str, Any]]:
         body = payload.read(start, end, scratch)

@@ -219,3 +219,22 @@ def test_named_profile_from_aws_files(
     loaded = {"x": torch.zeros(16)}
     dcp.load(loaded, storage_reader=S3Reader(bucket, "profile"))
     assert torch.equal(loaded["x"], state["x"])
+
+
+def test_a_full_load_fetches_every_stored_byte_exactly_once(s3: Any, bucket: str) -> None:
+    config = s3.config(**SMALL_PARTS)
+    generator = torch.Generator().manual_seed(2)
+    state = {
+        "big": torch.randn(7 * MiB // 4 + 123, generator=generator),  # spans many frames
+        **{f"t{i}": torch.randn(100_000 + i, generator=generator) for i in range(6)},
+    }
+    writer = S3Writer(bucket, "ck/once", config=config, objects_per_rank=2, frame_size=MiB)
+    dcp.save(state, storage_writer=writer)
+    stored = listing(s3.client, bucket)
+    data = sum(size for key, size in stored.items() if "/data-" in key)
+    stats = get_transfer(config).stats
+    before = stats.bytes_received
+    loaded = {name: torch.zeros_like(t) for name, t in state.items()}
+    dcp.load(loaded, storage_reader=S3Reader(bucket, "ck/once", config=config))
+    assert stats.bytes_received - before == data + stored["ck/once/.metadata"]
+    assert all(torch.equal(loaded[name], t) for name, t in state.items())
