@@ -6,9 +6,13 @@ Kept free of any one benchmark's logic so later benchmarks can reuse it.
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import http.client
+import json
 import os
 import platform
 import resource
+import socket
 import statistics
 import subprocess
 import sys
@@ -19,6 +23,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
+from urllib.parse import urlsplit
 
 import psutil
 
@@ -27,14 +32,17 @@ from s3ckpt.localserver import SeaweedFS, find_weed
 
 __all__ = [
     "GB",
+    "CountingProxy",
     "Endpoint",
     "MiB",
     "RssSampler",
+    "counts_delta",
     "cpu_since",
     "cpu_times",
     "format_table",
     "machine_info",
     "median",
+    "proxy_counts",
     "s3_endpoint",
     "server_cpu_seconds",
 ]
@@ -237,3 +245,209 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in text]
     return "\n".join(lines)
+
+
+_COUNTS_PATH = b"/__bench_counts__"  # answered by the proxy itself; no bucket can be named so
+_PIPE_BYTES = 1 << 20
+
+
+class CountingProxy:
+    """HTTP/1.1 pass-through on 127.0.0.1 counting requests (by method) and bytes each way.
+
+    It exists so every client (a Rust CRT, s3fs, aiobotocore) is counted alike, whatever the
+    server exposes. Only request heads and body lengths (Content-Length or chunked) are parsed;
+    bodies and responses move with splice(2) through a pipe, never through Python, so the relay
+    costs little CPU. A thread per direction per connection; plain http only.
+    ``GET /__bench_counts__`` on a fresh connection answers the counts as JSON (`proxy_counts`).
+    """
+
+    def __init__(self, upstream_url: str) -> None:
+        parts = urlsplit(upstream_url)
+        if parts.scheme != "http" or parts.hostname is None:
+            raise ValueError(f"the counting proxy relays plain http only, not {upstream_url}")
+        self._upstream = (parts.hostname, parts.port or 80)
+        self.counts: dict[str, int] = {"requests": 0, "bytes_up": 0, "bytes_down": 0}
+        self._lock = threading.Lock()
+        self._listener = socket.create_server(("127.0.0.1", 0), backlog=512)
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+
+    def __enter__(self) -> CountingProxy:
+        threading.Thread(target=self._accept, name="proxy-accept", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+
+    def _add(self, key: str, amount: int = 1) -> None:
+        with self._lock:
+            self.counts[key] = self.counts.get(key, 0) + amount
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        upstream: socket.socket | None = None
+        conn = _Buffered(client)
+        try:
+            while (head := conn.read_until(b"\r\n\r\n")) is not None:
+                method, _, rest = head.partition(b" ")
+                if upstream is None and rest.startswith(_COUNTS_PATH):
+                    body = json.dumps(self.counts).encode()
+                    client.sendall(
+                        b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
+                        % (len(body), body)
+                    )
+                    return
+                if upstream is None:
+                    upstream = socket.create_connection(self._upstream)
+                    for sock in (client, upstream):
+                        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    threading.Thread(
+                        target=self._relay, args=(upstream, client), daemon=True
+                    ).start()
+                self._add("requests")
+                self._add(method.decode("latin-1"))
+                self._add("bytes_up", len(head))
+                upstream.sendall(head)
+                self._add("bytes_up", self._body(head, conn, upstream))
+        except (OSError, ValueError):
+            return
+        finally:
+            for end in (upstream, client):
+                if end is not None:
+                    with contextlib.suppress(OSError):
+                        end.shutdown(socket.SHUT_RDWR)
+            conn.close()
+            if upstream is not None:
+                upstream.close()
+
+    @staticmethod
+    def _body(head: bytes, conn: _Buffered, upstream: socket.socket) -> int:
+        """Forward one request body, as long as its head says; returns the bytes forwarded."""
+        headers = {
+            k.strip().lower(): v.strip()
+            for k, _, v in (line.partition(b":") for line in head.split(b"\r\n")[1:] if line)
+        }
+        if b"chunked" not in headers.get(b"transfer-encoding", b"").lower():
+            length = int(headers.get(b"content-length", b"0"))
+            conn.forward(length, upstream)
+            return length
+        sent = 0
+        while True:  # chunk-size line, data and CRLF; after the 0 chunk, trailers and CRLF
+            line = conn.read_until(b"\r\n")
+            if line is None:
+                raise ValueError("client closed mid-body")
+            upstream.sendall(line)
+            size = int(line.split(b";")[0], 16)
+            sent += len(line)
+            if size == 0:
+                while (trailer := conn.read_until(b"\r\n")) not in (None, b"\r\n"):
+                    assert trailer is not None
+                    upstream.sendall(trailer)
+                    sent += len(trailer)
+                upstream.sendall(b"\r\n")
+                return sent + 2
+            conn.forward(size + 2, upstream)
+            sent += size + 2
+
+    def _relay(self, upstream: socket.socket, client: socket.socket) -> None:
+        """Responses go back untouched; the server closing ends the client's connection too."""
+        pipe = _Pipe()
+        try:
+            while moved := pipe.move(upstream, client, _PIPE_BYTES):
+                self._add("bytes_down", moved)
+        except OSError:
+            pass
+        finally:
+            pipe.close()
+            with contextlib.suppress(OSError):
+                client.shutdown(socket.SHUT_RDWR)
+
+
+class _Pipe:
+    """A kernel pipe that splices bytes from one socket to another without copying to Python."""
+
+    def __init__(self) -> None:
+        self.read_fd, self.write_fd = os.pipe()
+        with contextlib.suppress(OSError):  # a larger pipe moves more per call
+            fcntl.fcntl(self.write_fd, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
+
+    def move(self, source: socket.socket, sink: socket.socket, most: int) -> int:
+        """Up to ``most`` bytes (whatever arrives first); 0 at end of stream."""
+        got = os.splice(source.fileno(), self.write_fd, most)
+        left = got
+        while left:
+            left -= os.splice(self.read_fd, sink.fileno(), left)
+        return got
+
+    def close(self) -> None:
+        os.close(self.read_fd)
+        os.close(self.write_fd)
+
+
+class _Buffered:
+    """The client side of a connection: heads read through a small buffer, bodies spliced."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buffer = b""
+        self._pipe: _Pipe | None = None
+
+    def read_until(self, marker: bytes) -> bytes | None:
+        """Bytes up to and including ``marker``; None at a clean end of stream."""
+        while (at := self.buffer.find(marker)) < 0:
+            if len(self.buffer) > _PIPE_BYTES:
+                raise ValueError("request head too long")
+            data = self.sock.recv(65536)
+            if not data:
+                return None
+            self.buffer += data
+        line, self.buffer = self.buffer[: at + len(marker)], self.buffer[at + len(marker) :]
+        return line
+
+    def forward(self, count: int, sink: socket.socket) -> None:
+        """Send exactly ``count`` body bytes on: what was buffered, then the rest by splice."""
+        early, self.buffer = self.buffer[:count], self.buffer[count:]
+        sink.sendall(early)
+        left = count - len(early)
+        if left and self._pipe is None:
+            self._pipe = _Pipe()
+        while left > 0:
+            assert self._pipe is not None
+            moved = self._pipe.move(self.sock, sink, min(left, _PIPE_BYTES))
+            if not moved:
+                raise ValueError("client closed mid-body")
+            left -= moved
+
+    def close(self) -> None:
+        if self._pipe is not None:
+            self._pipe.close()
+        self.sock.close()
+
+
+def proxy_counts(url: str | None) -> dict[str, int] | None:
+    """A `CountingProxy`'s counts so far (from any process); None without a proxy."""
+    if not url:
+        return None
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=10)
+    try:
+        conn.request("GET", _COUNTS_PATH.decode())
+        counts: dict[str, int] = json.loads(conn.getresponse().read())
+        return counts
+    finally:
+        conn.close()
+
+
+def counts_delta(after: dict[str, int] | None, before: dict[str, int] | None) -> dict[str, int]:
+    """What a block of code sent through the proxy: every counter's increase."""
+    if after is None or before is None:
+        return {}
+    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
