@@ -68,14 +68,16 @@ def new_save_id() -> str:
     return secrets.token_hex(12)
 
 
-def data_key(save_id: str, rank: int, index: int, spread: int = 0) -> str:
+def data_key(save_id: str, rank: int, index: int, spread: int = 0, nonce: str = "") -> str:
     """Key of one data object, relative to the checkpoint prefix.
 
-    With ``spread`` digits, a hash of the name comes first, so that the requests of one save fan
-    out over ``16**spread`` key ranges instead of a run of sequential names (stores such as AWS
-    S3 partition request rates by key prefix).
+    ``nonce`` is drawn by each rank for each save: DCP's plan caching hands a later save the
+    plans (and so the save id) of an earlier one, and without it the later save would rewrite
+    the committed checkpoint's objects. With ``spread`` digits, a hash of the name comes first,
+    so that one save's requests fan out over ``16**spread`` key ranges instead of a run of
+    sequential names (stores such as AWS S3 partition request rates by key prefix).
     """
-    name = f"{rank:05d}-{index:03d}"
+    name = f"{rank:05d}-{index:03d}" + (f"-{nonce}" if nonce else "")
     if spread:
         name = f"{hashlib.blake2b(name.encode(), digest_size=8).hexdigest()[:spread]}/{name}"
     return f"data-{save_id}/{name}"

@@ -31,6 +31,7 @@ import itertools
 import logging
 import math
 import os
+import secrets
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
@@ -220,8 +221,11 @@ class S3Writer(StorageWriter):
 
         results: list[WriteResult] = []
         uploads: dict[str, Packed] = {}
+        nonce = secrets.token_hex(3)
         for obj, members in sorted(objects.items()):
-            relative = layout.data_key(rank_plan.save_id, rank_plan.rank, obj, rank_plan.spread)
+            relative = layout.data_key(
+                rank_plan.save_id, rank_plan.rank, obj, rank_plan.spread, nonce
+            )
             packed = Packed(
                 [value for _, value in members], [element.get(item.index) for item, _ in members]
             )

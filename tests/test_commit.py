@@ -95,3 +95,17 @@ def test_of_two_racing_saves_exactly_one_commits(s3: Any, bucket: str) -> None:
     data = {k.split("/")[1] for k in listing(s3.client, bucket) if "/data-" in k}
     assert len(data) == 1, "the loser's objects must be deleted"
     assert torch.equal(load(s3, bucket, "ck", winner)["w"], winner["w"])
+
+
+def test_dcp_plan_caching_never_touches_a_committed_checkpoint(s3: Any, bucket: str) -> None:
+    """Cached plans carry an earlier save's id: a later save that fails must still not delete
+    (or rewrite) the objects the committed checkpoint references."""
+    planner = DefaultSavePlanner(enable_plan_caching=True)
+    writer = S3Writer(bucket, "ck", config=s3.config(), overwrite=True)
+    first = {"w": torch.full((1000,), 1.0)}
+    dcp.save(first, storage_writer=writer, planner=planner)
+    second = {"w": torch.full((1000,), 2.0)}
+    dcp.save(second, storage_writer=writer, planner=planner)
+    failing = {"w": torch.empty(1000, device="meta")}  # same plan; fails while uploading
+    raised(lambda: dcp.save(failing, storage_writer=writer, planner=planner))
+    assert torch.equal(load(s3, bucket, "ck", second)["w"], second["w"])

@@ -36,7 +36,9 @@ def test_spread_keys_put_a_hash_first_and_everything_else_still_works(s3: Any, b
     round_trip(config, f"s3://{bucket}/ck", spread_keys=True, objects_per_rank=4)
     data = [key for key in listing(s3.client, bucket) if "/data-" in key]
     assert len(data) == 4
-    assert all(re.fullmatch(r"ck/data-[0-9a-f]{24}/[0-9a-f]{2}/00000-00\d", k) for k in data)
+    assert all(
+        re.fullmatch(r"ck/data-[0-9a-f]{24}/[0-9a-f]{2}/00000-00\d-[0-9a-f]{6}", k) for k in data
+    )
     assert len({k.split("/")[2] for k in data}) > 1, "the hash spreads the names"
     report = gc(f"s3://{bucket}/ck", older_than=timedelta(0), config=s3.config())
     assert not report.deleted and set(data) <= set(listing(s3.client, bucket))
