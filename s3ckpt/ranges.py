@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from itertools import pairwise
 
 __all__ = [
     "Merged",
@@ -18,7 +17,6 @@ __all__ = [
     "covering_range",
     "is_exact",
     "row_major_strides",
-    "split_range",
     "split_rect",
 ]
 
@@ -169,16 +167,3 @@ def coalesce(ranges: Sequence[tuple[int, int]], *, max_gap: int, max_size: int) 
                 continue
         groups.append((start, end, [i]))
     return [Merged(g_start, g_end, tuple(members)) for g_start, g_end, members in groups]
-
-
-def split_range(start: int, end: int, max_size: int) -> list[tuple[int, int]]:
-    """Tile ``[start, end)`` into the fewest near-equal pieces of at most ``max_size`` bytes.
-
-    Equal pieces keep concurrent part fetches evenly loaded (no tiny straggler at the end).
-    """
-    _check_positive("max_size", max_size)
-    _check_range("range", start, end)
-    count = -(-(end - start) // max_size)
-    base, extra = divmod(end - start, max(count, 1))
-    bounds = [start + k * base + min(k, extra) for k in range(count + 1)]
-    return list(pairwise(bounds))

@@ -323,15 +323,11 @@ class Transfer(Requests):
             async with reply["Body"] as body:
                 data: bytes = await body.read()
             if len(data) != reply["ContentLength"]:
-                raise StorageError(
+                raise self._truncated(
+                    bucket,
+                    key,
                     f"get_object s3://{bucket}/{key} at {self.endpoint}: response ended after "
                     f"{len(data)} of {reply['ContentLength']} bytes",
-                    endpoint=self.endpoint,
-                    bucket=bucket,
-                    key=key,
-                    operation="get_object",
-                    code="Truncated",
-                    status=None,
                 )
             return data
 
@@ -339,15 +335,6 @@ class Transfer(Requests):
             data = await self._retrying("get_object", bucket, key, attempt)
         self.stats.bytes_received += len(data)
         return data
-
-    async def get_range(self, bucket: str, key: str, start: int, end: int) -> memoryview:
-        """Bytes ``[start, end)`` of an object in a new buffer, allocated once a slot is held."""
-        if end <= start:
-            return memoryview(bytearray())
-        async with self._semaphore():
-            sink = memoryview(bytearray(end - start))
-            await self.get_scattered(bucket, key, start, end, [(start, sink)])
-        return sink
 
     async def get_scattered(
         self,
@@ -389,15 +376,11 @@ class Transfer(Requests):
                         except FrameCheck.Mismatch as m:
                             raise self._mismatch(bucket, key, m) from None
             if scatter.position != end:
-                raise StorageError(
+                raise self._truncated(
+                    bucket,
+                    key,
                     f"get_object s3://{bucket}/{key} bytes {start}-{end - 1} at "
                     f"{self.endpoint}: response ended at byte {scatter.position}",
-                    endpoint=self.endpoint,
-                    bucket=bucket,
-                    key=key,
-                    operation="get_object",
-                    code="Truncated",
-                    status=None,
                 )
 
         await self._retrying("get_object", bucket, key, attempt)
@@ -441,18 +424,21 @@ class Transfer(Requests):
                         await consume(following, stored)
                         following += 1
             if following < frames.stop:
-                raise StorageError(
+                raise self._truncated(
+                    bucket,
+                    key,
                     f"get_object s3://{bucket}/{key} at {self.endpoint}: response ended "
                     f"before frame {following} was complete",
-                    endpoint=self.endpoint,
-                    bucket=bucket,
-                    key=key,
-                    operation="get_object",
-                    code="Truncated",
-                    status=None,
                 )
 
         await self._retrying("get_object", bucket, key, attempt)
+
+    def _truncated(self, bucket: str, key: str, message: str) -> StorageError:
+        """A response body that ended early: retried like a lost connection."""
+        context = {"endpoint": self.endpoint, "bucket": bucket, "key": key}
+        return StorageError(
+            message, operation="get_object", code="Truncated", status=None, **context
+        )
 
     def _mismatch(self, bucket: str, key: str, m: FrameCheck.Mismatch) -> ChecksumMismatch:
         return ChecksumMismatch(

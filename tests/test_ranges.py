@@ -18,7 +18,6 @@ from s3ckpt.ranges import (
     covering_range,
     is_exact,
     row_major_strides,
-    split_range,
     split_rect,
 )
 
@@ -162,7 +161,7 @@ def test_split_rect_single_elements_when_itemsize_exceeds_limit() -> None:
     assert split_rect((3,), (0,), (3,), 8, 4) == [((0,), (1,)), ((1,), (1,)), ((2,), (1,))]
 
 
-# --- coalesce / split_range: hand-written ------------------------------------------------------
+# --- coalesce: hand-written ------------------------------------------------------
 
 
 def test_coalesce_basic_and_unsorted() -> None:
@@ -192,16 +191,6 @@ def test_coalesce_oversized_stays_alone_but_absorbs_contained() -> None:
     assert got == [Merged(0, 100, (0,)), Merged(95, 105, (1,))]
 
 
-def test_split_range() -> None:
-    assert split_range(0, 10, 3) == [(0, 3), (3, 6), (6, 8), (8, 10)]
-    assert split_range(0, 9, 3) == [(0, 3), (3, 6), (6, 9)]
-    assert split_range(7, 8, 100) == [(7, 8)]
-    assert split_range(5, 5, 3) == []
-
-
-# --- argument validation -----------------------------------------------------------------------
-
-
 @pytest.mark.parametrize(
     ("call", "match"),
     [
@@ -218,8 +207,6 @@ def test_split_range() -> None:
         (lambda: coalesce([(0, 1)], max_gap=-1, max_size=1), "max_gap"),
         (lambda: coalesce([(0, 1), (5, 3)], max_gap=0, max_size=8), "range 1"),
         (lambda: coalesce([(-2, 1)], max_gap=0, max_size=8), "range 0"),
-        (lambda: split_range(0, 10, 0), "max_size"),
-        (lambda: split_range(10, 0, 4), "start <= end"),
     ],
 )
 def test_validation(call: Callable[[], object], match: str) -> None:
@@ -315,20 +302,3 @@ def test_random_coalesce() -> None:
             assert b.start - a.end > max_gap or not fits, ctx
         merges += n - len(got)
     assert merges > CASES  # the generator exercises real merging
-
-
-def test_random_split_range() -> None:
-    rng = random.Random(SEED + 3)
-    for _ in range(CASES):
-        start = rng.randint(0, 1000)
-        end = start + rng.randint(0, 300)
-        max_size = rng.randint(1, 100)
-        got = split_range(start, end, max_size)
-        ctx = (start, end, max_size, got)
-        assert len(got) == -(-(end - start) // max_size), ctx
-        bounds = [start] + [e for _, e in got]
-        assert got == list(itertools.pairwise(bounds)), ctx
-        assert bounds[-1] == end, ctx
-        sizes = [e - s for s, e in got]
-        assert all(0 < size <= max_size for size in sizes), ctx
-        assert not sizes or max(sizes) - min(sizes) <= 1, ctx
