@@ -31,7 +31,8 @@ from .base import (
 )
 
 _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-_RANK = re.compile(r"data-[^/]+/(\d+)-\d+")
+# data-<save id>/[<hash>/]<rank>-<n>[-<token>] (see s3ckpt.layout.data_key)
+_RANK = re.compile(r"data-[^/]+/(?:[0-9a-f]+/)?(\d+)-\d+(?:-[0-9a-f]+)?")
 
 
 @command("ls", "list the checkpoints at URL and directly under it", URL)
