@@ -51,13 +51,13 @@ def plan_fetches(
 ) -> list[Fetch]:
     """Group, merge and split targets into fetches; every target is served by exactly one.
 
-    ``align[key]`` is the object's frame size: reads fetch whole frames, so splits fall on frame
-    boundaries and merging works on frame-aligned ranges; no frame is fetched twice.
+    ``align[key]`` is the object's frame size: reads fetch whole frames, so zero-copy targets are
+    cut at frame boundaries and merging works on frame-aligned ranges of at most ``max_size``.
     """
     by_key: dict[str, list[Target]] = defaultdict(list)
     for target in targets:
         if target.end > target.start:
-            by_key[target.key].extend(_split(target, max_size, align[target.key]))
+            by_key[target.key].extend(_split(target, align[target.key]))
     fetches: list[Fetch] = []
     for key, group in sorted(by_key.items()):
         frame = align[key]
@@ -67,16 +67,18 @@ def plan_fetches(
     return fetches
 
 
-def _split(target: Target, max_size: int, frame: int) -> list[Target]:
-    """A zero-copy target larger than ``max_size`` becomes several, cut at frame boundaries,
-    each a slice of its sink."""
-    if target.sink is None or target.end - target.start <= max_size:
+def _split(target: Target, frame: int) -> list[Target]:
+    """A zero-copy target is cut at every frame boundary, each piece a slice of its sink.
+
+    A piece then lies in one frame, so merging puts it in the fetch that already holds that
+    frame even when a fetch closes between two tensors; no frame is fetched twice.
+    """
+    if target.sink is None or target.end - target.start <= frame:
         return [target]
-    step = max(frame, max_size // frame * frame)
-    cuts = [target.start, *range((target.start // step + 1) * step, target.end, step), target.end]
+    cuts = [target.start, *range((target.start // frame + 1) * frame, target.end, frame)]
     return [
         Target(target.item, target.key, s, e, sink=target.sink[s - target.start : e - target.start])
-        for s, e in itertools.pairwise(cuts)
+        for s, e in itertools.pairwise([*cuts, target.end])
     ]
 
 

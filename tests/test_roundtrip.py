@@ -238,3 +238,20 @@ def test_a_full_load_fetches_every_stored_byte_exactly_once(s3: Any, bucket: str
     dcp.load(loaded, storage_reader=S3Reader(bucket, "ck/once", config=config))
     assert stats.bytes_received - before == data + stored["ck/once/.metadata"]
     assert all(torch.equal(loaded[name], t) for name, t in state.items())
+
+
+def test_groups_closing_mid_frame_do_not_fetch_that_frame_twice(s3: Any, bucket: str) -> None:
+    config = s3.config(**SMALL_PARTS)
+    generator = torch.Generator().manual_seed(4)
+    # 1.7 MiB tensors in 1 MiB frames: 5 MiB fetch groups close between tensors, mid-frame.
+    state = {f"t{i}": torch.randn(445_645, generator=generator) for i in range(12)}
+    writer = S3Writer(bucket, "ck/mid", config=config, objects_per_rank=1, frame_size=MiB)
+    dcp.save(state, storage_writer=writer)
+    stored = listing(s3.client, bucket)
+    data = sum(size for key, size in stored.items() if "/data-" in key)
+    stats = get_transfer(config).stats
+    before = stats.bytes_received
+    loaded = {name: torch.zeros_like(t) for name, t in state.items()}
+    dcp.load(loaded, storage_reader=S3Reader(bucket, "ck/mid", config=config))
+    assert stats.bytes_received - before == data + stored["ck/mid/.metadata"]
+    assert all(torch.equal(loaded[name], t) for name, t in state.items())
