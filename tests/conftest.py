@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -183,3 +183,22 @@ def bucket(s3: S3Env) -> Iterator[str]:
     s3.client.create_bucket(Bucket=name)
     yield name
     _delete_bucket(s3.client, name)
+
+
+Cli = Callable[..., tuple[int, str, str]]
+
+
+@pytest.fixture
+def cli(s3: S3Env, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> Cli:
+    """Runs the ``s3ckpt`` CLI in-process as a user would: credentials from the environment."""
+    from s3ckpt.cli import main
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3.access_key_id)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3.secret_access_key)
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        code = main(["--endpoint-url", s3.endpoint_url, *argv])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run

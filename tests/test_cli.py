@@ -7,20 +7,16 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 
 from s3ckpt import catalog
-from s3ckpt.cli import main
 
-from .conftest import S3Env
+from .conftest import Cli, S3Env
 from .helpers import listing, uploads_in_progress
 from .test_catalog import INCOMPLETE, LEFTOVER, build_run
-
-Cli = Callable[..., tuple[int, str, str]]
 
 
 class _Terminal(io.StringIO):
@@ -28,20 +24,6 @@ class _Terminal(io.StringIO):
 
     def isatty(self) -> bool:
         return True
-
-
-@pytest.fixture
-def cli(s3: S3Env, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> Cli:
-    """Runs ``main`` in-process as a user would: credentials from the environment."""
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3.access_key_id)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3.secret_access_key)
-
-    def run(*argv: str) -> tuple[int, str, str]:
-        code = main(["--endpoint-url", s3.endpoint_url, *argv])
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return run
 
 
 @pytest.fixture

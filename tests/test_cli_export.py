@@ -3,35 +3,16 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 from s3ckpt import S3Writer
-from s3ckpt.cli import main
 
-from .conftest import S3Env
+from .conftest import Cli, S3Env
 from .helpers import listing, uploads_in_progress
-
-Cli = Callable[..., tuple[int, str, str]]
-
-
-@pytest.fixture
-def cli(s3: S3Env, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> Cli:
-    """Runs ``main`` in-process as a user would: credentials from the environment."""
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3.access_key_id)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3.secret_access_key)
-
-    def run(*argv: str) -> tuple[int, str, str]:
-        code = main(["--endpoint-url", s3.endpoint_url, *argv])
-        out, err = capsys.readouterr()
-        return code, out, err
-
-    return run
 
 
 def _state() -> dict[str, Any]:
