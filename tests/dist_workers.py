@@ -94,6 +94,28 @@ def process_mode_round_trip(rank: int, port: int, config: S3Config, url: str) ->
         dist.destroy_process_group()
 
 
+def process_mode_sharded(rank: int, world: int, port: int, config: S3Config, url: str) -> None:
+    """async_save in PROCESS mode on several ranks, each pickling its writer to its own daemon."""
+    _init(rank, world, port)
+    try:
+        full = reference_state()
+        state = _sharded(full, world, "a")
+        future = dcp.async_save(
+            state,
+            storage_writer=S3Writer(url, config=config),
+            async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+        )
+        future.result(timeout=180)
+        loaded = _sharded({k: torch.zeros_like(v) for k, v in full.items()}, world, "b")
+        loaded["step"] = 0
+        dcp.load(loaded, storage_reader=S3Reader(url, config=config))
+        for name in ("rows", "cols", "cube", "replicated"):
+            assert torch.equal(loaded[name].full_tensor(), full[name]), name
+        assert loaded["step"] == 7
+    finally:
+        dist.destroy_process_group()
+
+
 def save_big(config: S3Config, url: str, overwrite: bool) -> None:
     """A save slow enough to be killed in the middle of its upload."""
     generator = torch.Generator().manual_seed(99)

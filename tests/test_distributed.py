@@ -55,3 +55,11 @@ def test_async_save_process_mode(s3: Any, bucket: str) -> None:
     url = f"s3://{bucket}/process-mode"
     mp.spawn(dist_workers.process_mode_round_trip, args=(free_port(), s3.config(), url), nprocs=1)
     assert "process-mode/.metadata" in listing(s3.client, bucket)
+
+
+def test_async_save_process_mode_on_two_ranks(s3: Any, bucket: str) -> None:
+    url = f"s3://{bucket}/process-2"
+    args = (2, free_port(), s3.config(), url)
+    mp.spawn(dist_workers.process_mode_sharded, args=args, nprocs=2)
+    ranks = {k.split("/")[-1][:5] for k in listing(s3.client, bucket) if "process-2/data-" in k}
+    assert ranks == {"00000", "00001"}
