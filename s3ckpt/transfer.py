@@ -153,6 +153,7 @@ class Transfer(Requests):
         """
         pending: list[asyncio.Future[dict[str, Any]]] = []
         part = bytearray()
+        size = 0
         upload: tuple[str, bool] | None = None
 
         async def send(upload_id: str, body: bytearray) -> None:
@@ -163,6 +164,7 @@ class Transfer(Requests):
         try:
             async for chunk in chunks:
                 part += chunk
+                size += len(chunk)
                 if len(part) < self.config.part_size or (
                     upload is None and len(part) <= self.config.multipart_threshold
                 ):
@@ -177,7 +179,6 @@ class Transfer(Requests):
             if part:
                 await send(upload[0], part)
             parts = await gather_or_cancel(pending)
-            size = sum(p.pop("Size") for p in parts)
             await self._complete(bucket, key, upload[0], parts, size)
         except BaseException:
             for task in pending:
@@ -198,20 +199,32 @@ class Transfer(Requests):
             mode = await self.wire_mode(bucket, key)
             loop = asyncio.get_running_loop()
             digest = await loop.run_in_executor(None, wire.digest, body, mode)
-            reply = await self._call(
-                "upload_part",
-                bucket,
-                key,
-                Key=key,
-                UploadId=upload_id,
-                PartNumber=number,
-                Body=body,
-                **digest,
-            )
+            return await self._put_part(bucket, key, upload_id, number, body, digest)
         finally:
             self._semaphore().release()
+
+    async def _put_part(
+        self,
+        bucket: str,
+        key: str,
+        upload_id: str,
+        number: int,
+        body: bytes | bytearray | memoryview,
+        digest: dict[str, Any],
+    ) -> dict[str, Any]:
+        """UploadPart, and the part's entry for CompleteMultipartUpload."""
+        reply = await self._call(
+            "upload_part",
+            bucket,
+            key,
+            Key=key,
+            UploadId=upload_id,
+            PartNumber=number,
+            Body=body,
+            **digest,
+        )
         self.stats.bytes_sent += len(body)
-        part = {"PartNumber": number, "ETag": reply["ETag"], "Size": len(body)}
+        part = {"PartNumber": number, "ETag": reply["ETag"]}
         if "ChecksumCRC32C" in digest:
             part["ChecksumCRC32C"] = digest["ChecksumCRC32C"]
         return part
@@ -299,21 +312,7 @@ class Transfer(Requests):
             self._semaphore(),
             self._bytes(payload, start, end, mode) as (body, digest),
         ):
-            reply = await self._call(
-                "upload_part",
-                bucket,
-                key,
-                Key=key,
-                UploadId=upload_id,
-                PartNumber=number,
-                Body=body,
-                **digest,
-            )
-        self.stats.bytes_sent += end - start
-        part = {"PartNumber": number, "ETag": reply["ETag"]}
-        if "ChecksumCRC32C" in digest:
-            part["ChecksumCRC32C"] = digest["ChecksumCRC32C"]
-        return part
+            return await self._put_part(bucket, key, upload_id, number, body, digest)
 
     async def get(self, bucket: str, key: str) -> bytes:
         """A whole object (for small ones such as ``.metadata``); a broken body is retried."""
