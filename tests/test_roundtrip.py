@@ -221,37 +221,34 @@ def test_named_profile_from_aws_files(
     assert torch.equal(loaded["x"], state["x"])
 
 
-def test_a_full_load_fetches_every_stored_byte_exactly_once(s3: Any, bucket: str) -> None:
+def assert_loads_each_stored_byte_once(
+    s3: Any, bucket: str, prefix: str, state: dict[str, torch.Tensor], objects: int
+) -> None:
+    """Save with 1 MiB frames, load everything: the bytes received are the stored bytes."""
     config = s3.config(**SMALL_PARTS)
+    writer = S3Writer(bucket, prefix, config=config, objects_per_rank=objects, frame_size=MiB)
+    dcp.save(state, storage_writer=writer)
+    stored = listing(s3.client, bucket)
+    data = sum(size for key, size in stored.items() if f"{prefix}/data-" in key)
+    stats = get_transfer(config).stats
+    before = stats.bytes_received
+    loaded = {name: torch.zeros_like(t) for name, t in state.items()}
+    dcp.load(loaded, storage_reader=S3Reader(bucket, prefix, config=config))
+    assert stats.bytes_received - before == data + stored[f"{prefix}/.metadata"]
+    assert all(torch.equal(loaded[name], t) for name, t in state.items())
+
+
+def test_a_full_load_fetches_every_stored_byte_exactly_once(s3: Any, bucket: str) -> None:
     generator = torch.Generator().manual_seed(2)
     state = {
         "big": torch.randn(7 * MiB // 4 + 123, generator=generator),  # spans many frames
         **{f"t{i}": torch.randn(100_000 + i, generator=generator) for i in range(6)},
     }
-    writer = S3Writer(bucket, "ck/once", config=config, objects_per_rank=2, frame_size=MiB)
-    dcp.save(state, storage_writer=writer)
-    stored = listing(s3.client, bucket)
-    data = sum(size for key, size in stored.items() if "/data-" in key)
-    stats = get_transfer(config).stats
-    before = stats.bytes_received
-    loaded = {name: torch.zeros_like(t) for name, t in state.items()}
-    dcp.load(loaded, storage_reader=S3Reader(bucket, "ck/once", config=config))
-    assert stats.bytes_received - before == data + stored["ck/once/.metadata"]
-    assert all(torch.equal(loaded[name], t) for name, t in state.items())
+    assert_loads_each_stored_byte_once(s3, bucket, "ck/once", state, objects=2)
 
 
 def test_groups_closing_mid_frame_do_not_fetch_that_frame_twice(s3: Any, bucket: str) -> None:
-    config = s3.config(**SMALL_PARTS)
     generator = torch.Generator().manual_seed(4)
     # 1.7 MiB tensors in 1 MiB frames: 5 MiB fetch groups close between tensors, mid-frame.
     state = {f"t{i}": torch.randn(445_645, generator=generator) for i in range(12)}
-    writer = S3Writer(bucket, "ck/mid", config=config, objects_per_rank=1, frame_size=MiB)
-    dcp.save(state, storage_writer=writer)
-    stored = listing(s3.client, bucket)
-    data = sum(size for key, size in stored.items() if "/data-" in key)
-    stats = get_transfer(config).stats
-    before = stats.bytes_received
-    loaded = {name: torch.zeros_like(t) for name, t in state.items()}
-    dcp.load(loaded, storage_reader=S3Reader(bucket, "ck/mid", config=config))
-    assert stats.bytes_received - before == data + stored["ck/mid/.metadata"]
-    assert all(torch.equal(loaded[name], t) for name, t in state.items())
+    assert_loads_each_stored_byte_once(s3, bucket, "ck/mid", state, objects=1)
