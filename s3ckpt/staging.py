@@ -5,11 +5,11 @@ every save, which costs several times the copy itself; `StagingBuffers` keeps it
 when the state lives on an accelerator) and allocates again only when the state's structure,
 shapes or dtypes change.
 
-Buffers are reused only when that is provably safe: the save that read them started on this
-writer (its ``storage_meta`` claimed them) and its thread has finished. So a second ``async_save``
-on the same writer first waits for the previous save to finish; a save that ran elsewhere (PROCESS
-mode pickles the writer into another process) never lets its buffers be reused, and the next
-save stages into fresh memory as DCP's default would.
+Buffers are reused only when that is provably safe: every staged copy's save has started on
+this writer (its ``storage_meta`` claimed them) and the running save's thread has finished. So a
+second ``async_save`` on the same writer first waits for the previous save to finish; a save
+that ran elsewhere (PROCESS mode pickles the writer into another process) never lets its
+buffers be reused, and the next save stages into fresh memory as DCP's default would.
 """
 
 from __future__ import annotations
@@ -32,38 +32,47 @@ class StagingBuffers:
         self._buffers: dict[str, Any] | None = None
         self._signature: Any = None
         self._pinned = False
-        self._claimed = True
+        self._unclaimed = 0  # stages whose save has not started (claimed) yet
         self._save_thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """A copy of ``state_dict`` on the CPU that later training steps cannot change."""
-        self.wait_for_previous_save()
-        with self._lock:
-            signature, on_accelerator = _describe(state_dict)
-            if self._buffers is None or signature != self._signature or not self._claimed:
-                self._pinned = on_accelerator and torch.cuda.is_available()
-                self._buffers = _create_cpu_state_dict(state_dict, pin_memory=self._pinned)
-                self._signature = signature
-            staged = _copy_state_dict(
-                state_dict, self._buffers, non_blocking=self._pinned, type_check=False
-            )
-            if self._pinned:
-                torch.cuda.synchronize()
-            self._claimed = False
-            return staged
+        while True:
+            self.wait_for_previous_save()
+            with self._lock:
+                # A save may have started since the wait: check again under the lock.
+                if self._running_elsewhere():
+                    continue
+                signature, on_accelerator = _describe(state_dict)
+                reuse = self._buffers is not None and signature == self._signature
+                if not reuse or self._unclaimed:
+                    self._pinned = on_accelerator and torch.cuda.is_available()
+                    self._buffers = _create_cpu_state_dict(state_dict, pin_memory=self._pinned)
+                    self._signature = signature
+                staged = _copy_state_dict(
+                    state_dict, self._buffers, non_blocking=self._pinned, type_check=False
+                )
+                if self._pinned:
+                    torch.cuda.synchronize()
+                self._unclaimed += 1
+                return staged
 
     def save_started(self) -> None:
         """Called as a save begins on this writer: it now owns the staged buffers."""
         self.wait_for_previous_save()
         with self._lock:
-            self._claimed = True
+            self._unclaimed = max(0, self._unclaimed - 1)
             self._save_thread = threading.current_thread()
+
+    def _running_elsewhere(self) -> bool:
+        thread = self._save_thread
+        return thread is not None and thread is not threading.current_thread() and thread.is_alive()
 
     def wait_for_previous_save(self) -> None:
         """Block until the save last started on this writer (in another thread) has finished."""
         thread = self._save_thread
-        if thread is not None and thread is not threading.current_thread() and thread.is_alive():
+        if self._running_elsewhere() and thread is not None:
             thread.join()
 
     def release(self) -> None:
