@@ -42,6 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
+from unittest import mock
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -85,6 +86,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=3, help="timed repetitions; medians reported")
     p.add_argument("--e2e-gib", type=float, default=1.0, help="end-to-end state size (GiB)")
     p.add_argument("--skip-e2e", action="store_true", help="codec measurements only")
+    p.add_argument(
+        "--verify-pairs",
+        type=int,
+        default=7,
+        help="loads with and without checksum verification, to measure what verifying costs",
+    )
     p.add_argument("--skip-dcp-files", action="store_true", help="no FileSystemWriter saves")
     p.add_argument("--endpoint-url", help="S3 endpoint; default: a local SeaweedFS")
     p.add_argument("--access-key", help="with --endpoint-url")
@@ -94,8 +101,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=_RESULTS / "compression.json")
     args = p.parse_args(argv)
-    if args.steps < 1 or args.repeat < 1 or args.e2e_gib <= 0 or args.frame_size_mib < 1:
-        p.error("--steps, --repeat and --frame-size-mib must be >= 1, --e2e-gib > 0")
+    if (
+        min(args.steps, args.repeat, args.frame_size_mib, args.verify_pairs) < 1
+        or args.e2e_gib <= 0
+    ):
+        p.error("--steps, --repeat, --frame-size-mib, --verify-pairs must be >= 1, --e2e-gib > 0")
     return args
 
 
@@ -440,10 +450,10 @@ def _u8(data: bytes | bytearray | memoryview) -> torch.Tensor:
 
 
 def breakdown(tensors: Tensors, frame_size: int, level: int, repeat: int) -> dict[str, float]:
-    """Where the shuffled codec's time goes, one thread, MB/s of raw bytes: the byte-plane
-    shuffle done as ``frames.encode`` does it (a transposed uint8 copy in torch), the same
-    shuffle by NumPy (for comparison), zstd on the shuffled bytes, its decompression, and
-    CRC32C. Tells whether zstd or the shuffle bounds the codec."""
+    """Where the shuffled codec's time goes, one thread, MB/s of raw bytes: s3ckpt's byte-plane
+    shuffle and unshuffle (``frames.shuffle``), a plain NumPy transpose (for comparison), zstd on
+    the shuffled bytes, its decompression, and CRC32C. Tells whether zstd or the shuffle bounds
+    the codec."""
     import numpy as np
     import zstandard
 
@@ -452,14 +462,11 @@ def breakdown(tensors: Tensors, frame_size: int, level: int, repeat: int) -> dic
     compressor = zstandard.ZstdCompressor(level=level)
     decompressor = zstandard.ZstdDecompressor()
 
-    def torch_shuffle(frame: Frame) -> bytes | bytearray | memoryview:
+    def s3ckpt_shuffle(frame: Frame) -> bytes | bytearray | memoryview:
         raw, itemsize = frame
         if itemsize is None or len(raw) % itemsize:
             return raw
-        out = bytearray(len(raw))
-        source = torch.frombuffer(raw, dtype=torch.uint8).view(-1, itemsize)
-        torch.frombuffer(out, dtype=torch.uint8).view(itemsize, -1).copy_(source.t())
-        return out
+        return frames.shuffle(raw, itemsize)
 
     def numpy_shuffle(frame: Frame) -> Any:
         raw, itemsize = frame
@@ -469,13 +476,19 @@ def breakdown(tensors: Tensors, frame_size: int, level: int, repeat: int) -> dic
 
     raw_total = sum(len(raw) for raw, _ in items)
     stages: dict[str, Callable[[], Any]] = {
-        "shuffle_torch (as s3ckpt)": lambda: [torch_shuffle(f) for f in items],
+        "shuffle (s3ckpt)": lambda: [s3ckpt_shuffle(f) for f in items],
+        "unshuffle (s3ckpt)": lambda: [frames.unshuffle(s, k) for s, k in planes],
         "shuffle_numpy": lambda: [numpy_shuffle(f) for f in items],
         "zstd_compress_shuffled": lambda: [compressor.compress(s) for s in shuffled],
         "zstd_decompress": lambda: [decompressor.decompress(c) for c in compressed],
         "crc32c": lambda: [frames.checksum(raw) for raw, _ in items],
     }
-    shuffled = [torch_shuffle(f) for f in items]
+    shuffled = [s3ckpt_shuffle(f) for f in items]
+    planes = [
+        (s, k)
+        for s, (_, k) in zip(shuffled, items, strict=True)
+        if isinstance(s, bytearray) and k is not None
+    ]
     compressed = [compressor.compress(s) for s in shuffled]
     return {
         name: raw_total / MB / statistics.median(_timed(run)[0] for _ in range(repeat))
@@ -559,23 +572,57 @@ class E2E:
         )
         out["save_cpu_s"] = cpu_since(cpu)["cpu_s"]
         dest = {name: torch.empty_like(t) for name, t in state.items()}
-        for t in dest.values():  # touch the pages now, not while the load is timed
-            t.view(torch.uint8).fill_(0xFF)
-        reader = self._reader(prefix)
-        cpu = cpu_times()
-        out["load_s"], _ = _timed(lambda: dcp.load(dest, storage_reader=reader, no_dist=True))
-        out["load_cpu_s"] = cpu_since(cpu)["cpu_s"]
+        out.update(self.load(prefix, dest))
         after = server_cpu_seconds(self.endpoint.server_pid)
         out["server_cpu_s"] = None if server is None or after is None else after - server
-        assert reader.checkpoint is not None
-        out["stored_bytes"] = sum(table.size for table in reader.checkpoint.frames.values())
-        out["raw_bytes"] = sum(table.raw_size for table in reader.checkpoint.frames.values())
         if check:
             bad = [n for n, t in state.items() if not torch.equal(_bits(t), _bits(dest[n]))]
             if bad:
                 raise RuntimeError(f"load differs from the save in {len(bad)} tensors: {bad[:3]}")
         self.loop.run_until_complete(self.raw.delete_prefix(self.bucket, prefix + "/"))
         return out
+
+    def load(self, prefix: str, dest: Tensors, *, verify: bool = True) -> dict[str, Any]:
+        """Load into ``dest``; ``verify=False`` switches the frame checksums off (by patching
+        `FrameCheck.feed`, which every read path calls) to measure what they cost."""
+        for t in dest.values():  # touch the pages now, not while the load is timed
+            t.view(torch.uint8).fill_(0xFF)
+        reader = self._reader(prefix)
+        ablation = (
+            contextlib.nullcontext()
+            if verify
+            else mock.patch.object(frames.FrameCheck, "feed", lambda *args: None)
+        )
+        cpu = cpu_times()
+        with ablation:
+            load_s, _ = _timed(lambda: dcp.load(dest, storage_reader=reader, no_dist=True))
+        out = {"load_s": load_s, "load_cpu_s": cpu_since(cpu)["cpu_s"]}
+        assert reader.checkpoint is not None
+        out["stored_bytes"] = sum(table.size for table in reader.checkpoint.frames.values())
+        out["raw_bytes"] = sum(table.raw_size for table in reader.checkpoint.frames.values())
+        return out
+
+    def verification_cost(
+        self, state: Tensors, prefix: str, compression: str | None, pairs: int
+    ) -> dict[str, Any]:
+        """Load one saved checkpoint ``pairs`` times with and without checksum verification,
+        alternating which goes first; the median load seconds of each."""
+        dcp.save(state, storage_writer=self._writer(prefix, compression), no_dist=True)
+        dest = {name: torch.empty_like(t) for name, t in state.items()}
+        runs: dict[str, list[float]] = {"verified": [], "unverified": []}
+        for pair in range(pairs):
+            for verify in (True, False) if pair % 2 == 0 else (False, True):
+                load_s = self.load(prefix, dest, verify=verify)["load_s"]
+                runs["verified" if verify else "unverified"].append(load_s)
+        self.loop.run_until_complete(self.raw.delete_prefix(self.bucket, prefix + "/"))
+        verified, unverified = median(runs["verified"]), median(runs["unverified"])
+        assert verified is not None and unverified is not None
+        return {
+            "verified_load_s": verified,
+            "unverified_load_s": unverified,
+            "share": (verified - unverified) / verified,
+            "runs": runs,
+        }
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -601,6 +648,7 @@ def run_e2e(args: argparse.Namespace, weights_bf16: Tensors) -> dict[str, Any]:
     state = tiled_state(weights_bf16, total)
     warm = tiled_state(weights_bf16, 64 * MiB)
     runs: dict[str, list[dict[str, Any]]] = {"none": [], "zstd": []}
+    ablation: dict[str, dict[str, Any]] = {}
     with s3_endpoint(args.endpoint_url, args.access_key, args.secret_key, args.region) as ep:
         print(f"end to end: {total / MiB:.0f} MiB bf16 state ({len(state)} tensors), {ep.server}")
         loop = asyncio.new_event_loop()
@@ -622,6 +670,15 @@ def run_e2e(args: argparse.Namespace, weights_bf16: Tensors) -> dict[str, Any]:
                         f"  rep {rep + 1} {compression or 'none'}: save {result['save_s']:.2f} s,"
                         f" load {result['load_s']:.2f} s"
                     )
+            for compression in (None, "zstd"):
+                prefix = f"{root}/ablation-{compression}"
+                cost = e2e.verification_cost(state, prefix, compression, args.verify_pairs)
+                ablation[compression or "none"] = cost
+                print(
+                    f"  checksums ({compression or 'none'}): load {cost['verified_load_s']:.2f} s "
+                    f"verified vs {cost['unverified_load_s']:.2f} s not: "
+                    f"{100 * cost['share']:.1f}% of load"
+                )
         finally:
             with contextlib.suppress(Exception):
                 loop.run_until_complete(raw.delete_prefix(args.bucket, root + "/"))
@@ -640,7 +697,8 @@ def run_e2e(args: argparse.Namespace, weights_bf16: Tensors) -> dict[str, Any]:
         row["raw_bytes"] = rows[0]["raw_bytes"]
         row["ratio"] = row["raw_bytes"] / row["stored_bytes"]
         row["checksum_s"] = checksum_seconds(buffer, row["stored_bytes"], frame_size, args.repeat)
-        row["checksum_share_of_load"] = row["checksum_s"] / row["load_s"]
+        row["checksum_cpu_share_of_load"] = row["checksum_s"] / row["load_s"]
+        row["checksum_share_of_load"] = ablation[name]["share"]
         summary[name] = row
     return {
         "server": server,
@@ -650,6 +708,7 @@ def run_e2e(args: argparse.Namespace, weights_bf16: Tensors) -> dict[str, Any]:
         "frame_size": frame_size,
         "summary": summary,
         "runs": runs,
+        "checksum_ablation": ablation,
     }
 
 
@@ -698,7 +757,7 @@ def codec_table(results: dict[str, dict[str, dict[str, Any]]]) -> str:
 
 def e2e_table(e2e: dict[str, Any]) -> str:
     headers = ["compression", "ratio", "save s", "load s", "save+load s", "save CPU s"]
-    headers += ["load CPU s", "srv CPU s", "CRC s", "CRC % load"]
+    headers += ["load CPU s", "srv CPU s", "CRC s", "CRC CPU % load", "CRC wall % load"]
     rows = [
         [
             name,
@@ -710,6 +769,7 @@ def e2e_table(e2e: dict[str, Any]) -> str:
             r["load_cpu_s"],
             r["server_cpu_s"],
             r["checksum_s"],
+            100 * r["checksum_cpu_share_of_load"],
             100 * r["checksum_share_of_load"],
         ]
         for name, r in e2e["summary"].items()

@@ -248,7 +248,6 @@ async def _fetch_compressed(
 ) -> None:
     """Fetch the frames holding a fetch's raw range, decode each in a worker thread, and
     scatter its raw bytes to the destinations."""
-    loop = asyncio.get_running_loop()
     scatter = Scatter(0, segments)
 
     def place(number: int, stored: bytes) -> None:
@@ -267,11 +266,8 @@ async def _fetch_compressed(
         scatter.rewind(number * table.frame_size)
         scatter.write(raw)
 
-    async def consume(number: int, stored: bytes) -> None:
-        await loop.run_in_executor(None, place, number, stored)
-
     wanted = table.frames(fetch.start, fetch.end)
-    await transfer.get_frames(bucket, fetch.key, table, wanted, consume)
+    await transfer.get_frames(bucket, fetch.key, table, wanted, place)
 
 
 async def read_checkpoint(transfer: Transfer, location: Location) -> Checkpoint:

@@ -26,7 +26,7 @@ from .errors import (
     ObjectNotFound,
     StorageError,
 )
-from .frames import FrameCheck, FrameTable, checksum
+from .frames import FrameCheck, FrameTable
 from .requests import Requests, TransferStats
 from .retry import RetryPolicy
 
@@ -390,38 +390,45 @@ class Transfer(Requests):
         key: str,
         table: FrameTable,
         frames: range,
-        consume: Callable[[int, bytes], Awaitable[None]],
+        consume: Callable[[int, bytes], None],
     ) -> None:
         """Stream whole stored frames in order; each is checked against its CRC32C and handed to
-        ``consume(number, stored)``. The caller holds a `slot`; a broken or damaged stream is
-        retried from the first frame not yet consumed."""
+        ``consume(number, stored)``, both in a worker thread. The caller holds a `slot`; a broken
+        or damaged stream is retried from the first frame not yet consumed."""
+        loop = asyncio.get_running_loop()
         following = frames.start
+
+        def check_and_consume(check: FrameCheck, number: int, stored: bytes) -> None:
+            check.feed(table.starts[number], stored)
+            consume(number, stored)
 
         async def attempt() -> None:
             nonlocal following
             start, end = table.starts[following], table.starts[frames.stop]
+            check = FrameCheck(table, start, end)
             reply = await (await self._client()).get_object(
                 Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}"
             )
-            pending = bytearray()
             async with reply["Body"] as body:
                 while following < frames.stop:
-                    chunk = await body.read(_READ_CHUNK)
-                    if not chunk:
+                    chunks, wanted = [], table.sizes[following]
+                    while wanted:
+                        chunk = await body.read(min(_READ_CHUNK, wanted))
+                        if not chunk:
+                            break
+                        self.stats.bytes_received += len(chunk)
+                        chunks.append(chunk)
+                        wanted -= len(chunk)
+                    if wanted:
                         break
-                    self.stats.bytes_received += len(chunk)
-                    pending += chunk
-                    while following < frames.stop and len(pending) >= table.sizes[following]:
-                        stored = bytes(pending[: table.sizes[following]])
-                        del pending[: table.sizes[following]]
-                        actual = checksum(stored)
-                        if actual != table.crcs[following]:
-                            low, high = table.starts[following], table.starts[following + 1]
-                            expected = table.crcs[following]
-                            mismatch = FrameCheck.Mismatch(low, high, expected, actual)
-                            raise self._mismatch(bucket, key, mismatch)
-                        await consume(following, stored)
-                        following += 1
+                    stored = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                    try:
+                        await loop.run_in_executor(
+                            None, check_and_consume, check, following, stored
+                        )
+                    except FrameCheck.Mismatch as m:
+                        raise self._mismatch(bucket, key, m) from None
+                    following += 1
             if following < frames.stop:
                 raise self._truncated(
                     bucket,
