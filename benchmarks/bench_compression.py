@@ -584,7 +584,7 @@ class E2E:
 
     def load(self, prefix: str, dest: Tensors, *, verify: bool = True) -> dict[str, Any]:
         """Load into ``dest``; ``verify=False`` switches the frame checksums off (by patching
-        `FrameCheck.feed`, which every read path calls) to measure what they cost."""
+        `FrameCheck`, which every read path goes through) to measure what they cost."""
         for t in dest.values():  # touch the pages now, not while the load is timed
             t.view(torch.uint8).fill_(0xFF)
         reader = self._reader(prefix)
@@ -609,6 +609,7 @@ class E2E:
         alternating which goes first; the median load seconds of each."""
         dcp.save(state, storage_writer=self._writer(prefix, compression), no_dist=True)
         dest = {name: torch.empty_like(t) for name, t in state.items()}
+        self.load(prefix, dest)  # warm: connections, server caches, worker threads
         runs: dict[str, list[float]] = {"verified": [], "unverified": []}
         for pair in range(pairs):
             for verify in (True, False) if pair % 2 == 0 else (False, True):

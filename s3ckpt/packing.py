@@ -104,7 +104,10 @@ class Packed:
         """Frame ``number`` compressed: its stored bytes, codec and CRC32C (worker thread)."""
         start = number * frame_size
         end = min(start + frame_size, self.size)
-        raw = self.read(start, end, memoryview(bytearray(end - start)))
+        raw = self.view(start, end)
+        if raw is None:
+            # Across items: assembled in a buffer of its own, which may come back as stored.
+            raw = self.read(start, end, memoryview(bytearray(end - start)))
         itemsize = self.shuffle_size(start, end) if shuffle else None
         stored, codec = frames.encode(raw, level, itemsize)
         return stored, codec, frames.checksum(stored)

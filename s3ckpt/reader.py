@@ -251,8 +251,10 @@ async def _fetch_compressed(
     scatter = Scatter(0, segments)
 
     def place(number: int, stored: bytes) -> None:
+        start, size = number * table.frame_size, table.raw_length(number)
+        target = scatter.sole_view(start, start + size)
         try:
-            raw = frames_codec.decode(stored, table.codecs[number], table.raw_length(number))
+            raw = frames_codec.decode(stored, table.codecs[number], size, out=target)
         except ValueError as e:
             raise StorageError(
                 f"s3://{bucket}/{fetch.key} frame {number}: {e}",
@@ -263,8 +265,9 @@ async def _fetch_compressed(
                 code="Undecodable",
                 status=None,
             ) from None
-        scatter.rewind(number * table.frame_size)
-        scatter.write(raw)
+        if target is None:
+            scatter.rewind(start)
+            scatter.write(raw)
 
     wanted = table.frames(fetch.start, fetch.end)
     await transfer.get_frames(bucket, fetch.key, table, wanted, place)

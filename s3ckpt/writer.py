@@ -86,8 +86,8 @@ class S3Writer(StorageWriter):
         compression: ``"zstd"`` compresses each frame on its own (worker threads, overlapping
             the upload), so ranged loads still decode only the frames they need; any reader
             loads it. ``compression_level`` is zstd's level; ``shuffle`` groups bytes of equal
-            significance of floating-point elements first (the whole exponent in one plane),
-            which compresses weights and optimizer states better.
+            significance of floating-point elements first, which compresses weights and
+            optimizer states better.
         async_staging: stage in a background thread; ``dcp.async_save`` then returns an
             ``AsyncSaveResponse`` whose ``staging_completion`` must finish before the state
             dict's tensors are modified (e.g. before the next ``optimizer.step()``).

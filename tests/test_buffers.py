@@ -52,3 +52,16 @@ def test_part_buffers_are_reused_while_held_and_dropped_after() -> None:
     assert pool._free == []
     with pool.borrow(10) as after:
         assert after.obj is not address
+
+
+def test_a_range_has_a_sole_view_only_when_one_segment_alone_wants_all_of_it() -> None:
+    a, b, c = bytearray(100), bytearray(50), bytearray(10)
+    scatter = Scatter(0, [(0, memoryview(a)), (200, memoryview(b)), (220, memoryview(c))])
+    view = scatter.sole_view(10, 60)
+    assert view is not None and len(view) == 50
+    view[:] = b"x" * 50
+    assert a[10:60] == b"x" * 50 and a[:10] == bytes(10)
+    assert scatter.sole_view(90, 110) is None, "runs past the end of its segment"
+    assert scatter.sole_view(150, 160) is None, "nobody wants these bytes"
+    assert scatter.sole_view(205, 215) is not None
+    assert scatter.sole_view(215, 225) is None, "two segments want part of it"
