@@ -486,8 +486,8 @@ def breakdown(tensors: Tensors, frame_size: int, level: int, repeat: int) -> dic
     shuffled = [s3ckpt_shuffle(f) for f in items]
     planes = [
         (s, k)
-        for s, (_, k) in zip(shuffled, items, strict=True)
-        if isinstance(s, bytearray) and k is not None
+        for s, (raw, k) in zip(shuffled, items, strict=True)
+        if k is not None and s is not raw
     ]
     compressed = [compressor.compress(s) for s in shuffled]
     return {

@@ -115,8 +115,8 @@ class PeerBench:
         self.root = f"peers-{secrets.token_hex(4)}"
         self.size = int(args.size_gib * _GiB)
         self.tuned: tuple[int, int] = _TUNED if args.tuned == "auto" else args.tuned
-        self.target = Target(
-            proxy_url or endpoint.url,
+        self.direct = Target(
+            endpoint.url,
             endpoint.access_key_id,
             endpoint.secret_access_key,
             endpoint.region or args.region,
@@ -125,12 +125,17 @@ class PeerBench:
             self.tuned[0] * MiB,
             self.tuned[1],
         )
-        self.proxy = proxy_url
+        # The check pass goes through the counting proxy (requests, bytes on the wire) and
+        # compares every loaded tensor; the timed repetitions go straight to the server, since
+        # a Python relay on the same two cores would slow every system down.
+        self.counting_proxy = proxy_url
+        self.target, self.proxy = self.direct, None
         self.runs: dict[str, dict[str, dict[str, list[dict[str, Any]]]]] = {}
+        self.checks: dict[str, dict[str, dict[str, list[dict[str, Any]]]]] = {}
         self.failures: list[str] = []
         self.failed: set[tuple[str, str]] = set()
         self.sweep: list[dict[str, Any]] = []
-        self._house = dataclasses.replace(self.target, endpoint_url=endpoint.url)
+        self._house = self.direct
 
     # -- housekeeping, straight to the server (never through the proxy)
     def _raw(self, coro_of: Any) -> Any:
@@ -238,7 +243,9 @@ class PeerBench:
                 return []
             return [json.loads(out.read_text()) for out in outs]
 
-    def _record(self, system: str, workload: str, op: str, result: dict[str, Any] | None) -> None:
+    def _record(
+        self, system: str, workload: str, op: str, result: dict[str, Any] | None, rep: int | None
+    ) -> None:
         if result is None:
             return
         if result.get("mismatched_tensors"):
@@ -246,14 +253,22 @@ class PeerBench:
             self.failures.append(
                 f"{system} {workload} {op}: {result['mismatched_tensors']} tensors differ"
             )
-        runs = self.runs.setdefault(system, {}).setdefault(workload, {})
-        runs.setdefault(op, []).append(result)
+        store = self.checks if rep is None else self.runs
+        store.setdefault(system, {}).setdefault(workload, {}).setdefault(op, []).append(result)
         speed = result["bytes"] / 1e9 / result["seconds"] if result["seconds"] else 0
         print(f"  {system:16} {workload:8} {op:5} {result['seconds']:7.2f} s {speed:6.3f} GB/s")
 
     def run(self) -> None:
-        for rep in range(self.args.repeat):
-            print(f"repetition {rep + 1}/{self.args.repeat}", flush=True)
+        for rep in [None, *range(self.args.repeat)]:
+            if rep is None:
+                print("check pass (counting proxy, every tensor compared; not timed)", flush=True)
+                self.proxy = self.counting_proxy
+                self.target = dataclasses.replace(
+                    self.direct, endpoint_url=self.proxy or self.direct.endpoint_url
+                )
+            else:
+                print(f"repetition {rep + 1}/{self.args.repeat}", flush=True)
+                self.target, self.proxy = self.direct, None
             for workload in ("large", "small", "reshard"):
                 wanted = set(self.args.workloads)
                 if workload == "large" and not wanted & {"large", "partial"}:
@@ -263,17 +278,18 @@ class PeerBench:
                 for system in self.args.systems:
                     self.case(system, workload, rep)
 
-    def case(self, system: str, workload: str, rep: int) -> None:
-        """Save, then load (and partial-load) what was saved, then remove it."""
-        prefix = f"{self.root}/{system}/{workload}/{rep}"
-        verify = rep == 0
+    def case(self, system: str, workload: str, rep: int | None) -> None:
+        """Save, then load (and partial-load) what was saved, then remove it. ``rep`` None is
+        the check pass."""
+        prefix = f"{self.root}/{system}/{workload}/{'check' if rep is None else rep}"
+        verify = rep is None
         label = f"{system} {workload} rep {rep}"
         if system == "raw":
             if workload == "reshard":
                 return
             result = self._child(self._spec("raw", system, workload, prefix), label)
             for op in ("save", "load"):
-                self._record(system, workload, op, result[op] if result else None)
+                self._record(system, workload, op, result[op] if result else None, rep)
             self._forget(prefix, system)
             return
         if workload == "reshard":
@@ -289,27 +305,25 @@ class PeerBench:
         else:
             saved = self._child(self._spec("save", system, workload, prefix), label + " save")
         if workload in self.args.workloads:
-            self._record(system, workload, "save", saved)
+            self._record(system, workload, "save", saved, rep)
         partial = workload == "large" and "partial" in self.args.workloads
         if saved is None and partial:
             self.failed.add((system, "partial"))
         if saved is not None:
             load = self._spec("load", system, workload, f"{prefix}/ckpt", verify=verify)
             if workload in self.args.workloads:
-                self._record(system, workload, "load", self._child(load, label + " load"))
+                self._record(system, workload, "load", self._child(load, label + " load"), rep)
             if partial:
                 load["workload"] = "partial"
-                self._record(system, "partial", "load", self._child(load, label + " partial"))
+                partial_load = self._child(load, label + " partial")
+                self._record(system, "partial", "load", partial_load, rep)
         self._forget(prefix, system)
 
     def tune(self) -> tuple[int, int]:
         """Each candidate (part MiB, concurrency) saves and loads the large state once."""
         best: tuple[float, tuple[int, int]] | None = None
         for part, conc in _SWEEP:
-            self.tuned = (part, conc)
-            self.target = dataclasses.replace(
-                self.target, tuned_part_size=part * MiB, tuned_concurrency=conc
-            )
+            self._set_tuned(part, conc)
             prefix = f"{self.root}/sweep-{part}-{conc}"
             saved = self._child(
                 self._spec("save", "s3ckpt-tuned", "large", prefix), "sweep", counts=False
@@ -331,11 +345,14 @@ class PeerBench:
                 if best is None or total < best[0]:
                     best = (total, (part, conc))
         chosen = best[1] if best else _TUNED
-        self.tuned = chosen
-        self.target = dataclasses.replace(
-            self.target, tuned_part_size=chosen[0] * MiB, tuned_concurrency=chosen[1]
-        )
+        self._set_tuned(*chosen)
         return chosen
+
+    def _set_tuned(self, part: int, concurrency: int) -> None:
+        self.tuned = (part, concurrency)
+        tuned = {"tuned_part_size": part * MiB, "tuned_concurrency": concurrency}
+        self.direct = dataclasses.replace(self.direct, **tuned)
+        self.target = dataclasses.replace(self.target, **tuned)
 
 
 def _merge_ranks(ranks: list[dict[str, Any]]) -> dict[str, Any]:

@@ -30,11 +30,12 @@ _COLORS = {
 }
 
 
-def _op_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Medians over repetitions; memory is the worst one."""
+def _op_summary(runs: list[dict[str, Any]], checks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over the timed repetitions; memory is the worst one; requests and bytes on the
+    wire from the check pass (through the counting proxy)."""
     seconds = median([r["seconds"] for r in runs])
     size = runs[0]["bytes"]
-    wire = [r.get("wire") or {} for r in runs]
+    wire = [r.get("wire") or {} for r in checks + runs if r.get("wire")]
     moved = [w.get("bytes_up", 0) + w.get("bytes_down", 0) for w in wire]
     return {
         "seconds": seconds,
@@ -64,10 +65,20 @@ def _whole(value: float | None) -> float | int | None:
     return int(value) if value is not None and float(value).is_integer() else value
 
 
-def summarize(runs: dict[str, dict[str, dict[str, list[dict[str, Any]]]]]) -> dict[str, Any]:
+Runs = dict[str, dict[str, dict[str, list[dict[str, Any]]]]]
+
+
+def summarize(runs: Runs, checks: Runs | None = None) -> dict[str, Any]:
+    checks = checks or {}
+
+    def checked(system: str, workload: str, op: str) -> list[dict[str, Any]]:
+        return checks.get(system, {}).get(workload, {}).get(op, [])
+
     return {
         system: {
-            workload: {op: _op_summary(r) for op, r in ops.items() if r}
+            workload: {
+                op: _op_summary(r, checked(system, workload, op)) for op, r in ops.items() if r
+            }
             for workload, ops in workloads.items()
         }
         for system, workloads in runs.items()
@@ -95,10 +106,15 @@ def _speed(summary: dict[str, Any], system: str, workload: str, op: str) -> floa
 
 
 def report(bench: Any, args: Any, machine: dict[str, Any], ep: Any, started: float) -> dict:
-    summary = summarize(bench.runs)
+    summary = summarize(bench.runs, bench.checks)
     return {
         "machine": machine,
-        "server": {"name": ep.server, "endpoint": ep.url, "counting_proxy": bench.proxy},
+        "server": {
+            "name": ep.server,
+            "endpoint": ep.url,
+            "counting_proxy": bench.counting_proxy,
+            "timed_through_proxy": False,
+        },
         "settings": {
             "size_gib": args.size_gib,
             "small_count": args.small_count,
@@ -116,6 +132,7 @@ def report(bench: Any, args: Any, machine: dict[str, Any], ep: Any, started: flo
         "ratios": ratios(summary),
         "failed": sorted(f"{s} {w}" for s, w in bench.failed),
         "runs": bench.runs,
+        "checks": bench.checks,
         "failures": bench.failures,
     }
 
@@ -169,8 +186,9 @@ def text(rep: dict[str, Any]) -> str:
     lines.append(
         f"s3ckpt-tuned: part {settings['tuned_part_mib']} MiB x {settings['tuned_concurrency']}"
         f" in flight (by {settings['tuned_by']}); GB = 1e9 bytes; medians of"
-        f" {settings['repeat']}; +MiB is the worst repetition; reshard save = 2 ranks, sync;"
-        " raw moves the same bytes as up to 4 objects (small: not per tensor)."
+        f" {settings['repeat']} straight to the server; requests and wire bytes from a check"
+        " pass through a counting proxy; +MiB is the worst repetition; reshard save = 2 ranks,"
+        " sync; raw moves the same bytes as up to 4 objects (small: not per tensor)."
     )
     return "\n".join(lines)
 

@@ -71,9 +71,11 @@ def _split(target: Target, frame: int) -> list[Target]:
     """A zero-copy target is cut at every frame boundary, each piece a slice of its sink.
 
     A piece then lies in one frame, so merging puts it in the fetch that already holds that
-    frame even when a fetch closes between two tensors; no frame is fetched twice.
+    frame even when a fetch closes between two tensors; no frame is fetched twice. This holds
+    for targets smaller than a frame too: one across a boundary would otherwise pull in both
+    frames, the first of which the previous fetch may already hold.
     """
-    if target.sink is None or target.end - target.start <= frame:
+    if target.sink is None:
         return [target]
     cuts = [target.start, *range((target.start // frame + 1) * frame, target.end, frame)]
     return [

@@ -252,3 +252,12 @@ def test_groups_closing_mid_frame_do_not_fetch_that_frame_twice(s3: Any, bucket:
     # 1.7 MiB tensors in 1 MiB frames: 5 MiB fetch groups close between tensors, mid-frame.
     state = {f"t{i}": torch.randn(445_645, generator=generator) for i in range(12)}
     assert_loads_each_stored_byte_once(s3, bucket, "ck/mid", state, objects=1)
+
+
+def test_tensors_smaller_than_a_frame_across_its_boundary_are_fetched_once(
+    s3: Any, bucket: str
+) -> None:
+    generator = torch.Generator().manual_seed(5)
+    # 0.7 MiB tensors in 1 MiB frames: many straddle a frame boundary as fetch groups close.
+    state = {f"t{i}": torch.randn(183_501, generator=generator) for i in range(24)}
+    assert_loads_each_stored_byte_once(s3, bucket, "ck/small", state, objects=1)
