@@ -156,8 +156,12 @@ class PeerBench:
     def _forget(self, prefix: str, system: str) -> None:
         if system == "local":
             shutil.rmtree(Path(self.local_dir) / prefix, ignore_errors=True)
-        else:
+            return
+        try:
             self._raw(lambda raw: raw.delete_prefix(self.args.bucket, prefix + "/"))
+        except Exception as e:  # what a failed peer left behind must not end the run
+            print(f"  clean-up of {prefix} failed: {type(e).__name__}: {e}", flush=True)
+            self.failures.append(f"clean-up of {prefix}: {type(e).__name__}")
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
