@@ -33,7 +33,7 @@ import math
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -48,6 +48,25 @@ from torch.distributed.checkpoint.metadata import (
 
 from .errors import MetadataError
 from .frames import FrameTable
+from .jsoncheck import (
+    Invalid,
+    all_counts,
+    as_bool,
+    as_count,
+    as_counts,
+    as_dict,
+    as_list,
+    as_str,
+    fail,
+    get_field,
+    is_count,
+    joined,
+    lookup,
+    opt_str,
+    reject_constant,
+    show,
+    unique_pairs,
+)
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "Checkpoint", "Locator", "decode", "encode"]
 
@@ -55,7 +74,6 @@ FORMAT = "s3ckpt"
 FORMAT_VERSION = 1
 
 _TUPLE_TAG = "__tuple__"
-_MAX_INT = 2**63 - 1  # torch sizes and S3 byte offsets are int64; larger is garbage.
 _MAX_DEPTH = 64  # planner_data / extra nesting; deeper is almost surely a reference cycle.
 
 _T = TypeVar("_T")
@@ -155,34 +173,6 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-class _Invalid(Exception):
-    """Internal: what is wrong and where; turned into a MetadataError at the API boundary."""
-
-
-def _fail(message: str) -> NoReturn:
-    raise _Invalid(message)
-
-
-def _show(value: Any) -> str:
-    """A short repr, so a hostile multi-megabyte field cannot flood the error message."""
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _path(where: str, name: str) -> str:
-    """Joined only when an error is raised: building paths eagerly doubles the cost of a decode."""
-    return f"{where}.{name}" if where and name else where or name
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= _MAX_INT
-
-
-def _all_counts(values: list[Any]) -> bool:
-    """The fast path for offsets and sizes; exact ``int`` also rules out ``bool``."""
-    return all(type(v) is int and 0 <= v <= _MAX_INT for v in values)
-
-
 def _is_valid_key(key: Any) -> bool:
     """Relative object keys only: the reader joins them to the prefix, so no escaping it."""
     return (
@@ -199,14 +189,14 @@ def _check_locator(
     size = objects.get(locator.key) if isinstance(locator.key, str) else None
     if size is None:
         if not _is_valid_key(locator.key):
-            _fail(f"{_path(where, name)}: key {_show(locator.key)} is not a relative object key")
-        _fail(f"{_path(where, name)}: object {locator.key!r} is not listed in objects")
-    if not _is_count(locator.offset) or not _is_count(locator.length):
-        _fail(f"{_path(where, name)}: offset and length must be non-negative ints, got {locator!r}")
+            fail(f"{joined(where, name)}: key {show(locator.key)} is not a relative object key")
+        fail(f"{joined(where, name)}: object {locator.key!r} is not listed in objects")
+    if not is_count(locator.offset) or not is_count(locator.length):
+        fail(f"{joined(where, name)}: offset and length must be non-negative ints, got {locator!r}")
     end = locator.offset + locator.length
     if end > size:
-        _fail(
-            f"{_path(where, name)}: bytes {locator.offset}..{end} lie outside "
+        fail(
+            f"{joined(where, name)}: bytes {locator.offset}..{end} lie outside "
             f"object {locator.key!r} of {size} bytes"
         )
 
@@ -233,9 +223,9 @@ def encode(
         with _gc_paused():
             for key, size in objects.items():
                 if key not in frames or frames[key].size != size:
-                    _fail(f"objects[{key!r}]: no frame table of {_show(size)} stored bytes")
+                    fail(f"objects[{key!r}]: no frame table of {show(size)} stored bytes")
             if set(frames) - set(objects):
-                _fail("frames: a frame table for an object not in objects")
+                fail("frames: a frame table for an object not in objects")
             # Locators point into raw (uncompressed) bytes; `objects` records stored sizes.
             raw_sizes = {key: table.raw_size for key, table in frames.items()}
             record = _encode_record(metadata, locators, save_id, created, raw_sizes, extra)
@@ -245,7 +235,7 @@ def encode(
                 record, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
             )
             return text.encode("utf-8")
-    except _Invalid as exc:
+    except Invalid as exc:
         raise MetadataError(f"cannot encode checkpoint metadata: {exc}", url=None) from None
     except UnicodeEncodeError as exc:  # a lone surrogate in some name
         raise MetadataError(f"cannot encode checkpoint metadata: {exc}", url=None) from None
@@ -260,26 +250,26 @@ def _encode_record(
     extra: Mapping[str, Any] | None,
 ) -> dict[str, Any]:
     if not isinstance(metadata, Metadata):
-        _fail(f"metadata: expected a DCP Metadata, got {type(metadata).__name__}")
+        fail(f"metadata: expected a DCP Metadata, got {type(metadata).__name__}")
     if not isinstance(save_id, str):
-        _fail(f"save_id: expected a str, got {_show(save_id)}")
+        fail(f"save_id: expected a str, got {show(save_id)}")
     if (
         not isinstance(created, (int, float))
         or isinstance(created, bool)
         or not math.isfinite(created)
     ):
-        _fail(f"created: expected a finite unix time, got {_show(created)}")
+        fail(f"created: expected a finite unix time, got {show(created)}")
     if metadata.version is not None and not isinstance(metadata.version, str):
-        _fail(f"metadata.version: expected a str or None, got {_show(metadata.version)}")
+        fail(f"metadata.version: expected a str or None, got {show(metadata.version)}")
     if not isinstance(metadata.state_dict_metadata, Mapping):
-        _fail("metadata.state_dict_metadata: expected a dict")
+        fail("metadata.state_dict_metadata: expected a dict")
 
     object_sizes: dict[str, int] = {}
     for key, size in objects.items():
         if not _is_valid_key(key):
-            _fail(f"objects: {_show(key)} is not a relative object key")
-        if not _is_count(size):
-            _fail(f"objects[{key!r}]: expected a size in bytes, got {_show(size)}")
+            fail(f"objects: {show(key)} is not a relative object key")
+        if not is_count(size):
+            fail(f"objects[{key!r}]: expected a size in bytes, got {show(size)}")
         object_sizes[key] = size
 
     used: set[MetadataIndex] = set()
@@ -287,9 +277,9 @@ def _encode_record(
     def locate(index: MetadataIndex, where: str) -> dict[str, Any]:
         locator = locators.get(index)
         if locator is None:
-            _fail(f"{where}: no locator for this item (every chunk and bytes item needs one)")
+            fail(f"{where}: no locator for this item (every chunk and bytes item needs one)")
         if not isinstance(locator, Locator):
-            _fail(f"{where}: expected a Locator, got {type(locator).__name__}")
+            fail(f"{where}: expected a Locator, got {type(locator).__name__}")
         _check_locator(locator, object_sizes, where)
         used.add(index)
         return {"key": locator.key, "offset": locator.offset, "length": locator.length}
@@ -298,18 +288,18 @@ def _encode_record(
     for fqn, item in metadata.state_dict_metadata.items():
         where = f"state_dict[{fqn!r}]"
         if not isinstance(fqn, str):
-            _fail(f"{where}: fqn must be a str")
+            fail(f"{where}: fqn must be a str")
         if isinstance(item, TensorStorageMetadata):
             state_dict[fqn] = _encode_tensor(fqn, item, locate, where)
         elif isinstance(item, BytesStorageMetadata):
             state_dict[fqn] = {"type": "bytes", "locator": locate(MetadataIndex(fqn), where)}
         else:
-            _fail(f"{where}: unsupported storage metadata {type(item).__name__}")
+            fail(f"{where}: unsupported storage metadata {type(item).__name__}")
 
     unused = [index for index in locators if index not in used]
     if unused:
-        shown = ", ".join(f"({i.fqn!r}, {_show(i.offset)})" for i in unused[:3])
-        _fail(f"{len(unused)} locator(s) match no item in the metadata, e.g. {shown}")
+        shown = ", ".join(f"({i.fqn!r}, {show(i.offset)})" for i in unused[:3])
+        fail(f"{len(unused)} locator(s) match no item in the metadata, e.g. {shown}")
 
     return {
         "format": FORMAT,
@@ -334,13 +324,13 @@ def _encode_tensor(
     props = item.properties
     dtype = _DTYPE_NAMES.get(props.dtype)
     if dtype is None:
-        _fail(f"{where}: dtype {props.dtype} is not supported")
+        fail(f"{where}: dtype {props.dtype} is not supported")
     layout = _LAYOUT_NAMES.get(props.layout)
     if layout is None:
-        _fail(f"{where}: layout {props.layout} is not supported")
+        fail(f"{where}: layout {props.layout} is not supported")
     memory_format = _MEMORY_FORMAT_NAMES.get(props.memory_format)
     if memory_format is None:
-        _fail(f"{where}: memory format {props.memory_format} is not supported")
+        fail(f"{where}: memory format {props.memory_format} is not supported")
     size = _encode_counts(item.size, where, "size")
     chunks: list[dict[str, Any]] = []
     seen: set[tuple[int, ...]] = set()
@@ -350,7 +340,7 @@ def _encode_tensor(
         sizes = _encode_counts(chunk.sizes, at, "sizes")
         _check_chunk(offsets, sizes, size, at)
         if tuple(offsets) in seen:
-            _fail(f"{at}: two chunks start at offsets {offsets}")
+            fail(f"{at}: two chunks start at offsets {offsets}")
         seen.add(tuple(offsets))
         chunks.append(
             {"offsets": offsets, "sizes": sizes, "locator": locate(MetadataIndex(fqn, offsets), at)}
@@ -371,39 +361,39 @@ def _encode_counts(values: Any, where: str, name: str) -> list[int]:
     try:
         counts = list(values)
     except TypeError:
-        _fail(f"{_path(where, name)}: expected a sequence of ints, got {_show(values)}")
-    if _all_counts(counts):
+        fail(f"{joined(where, name)}: expected a sequence of ints, got {show(values)}")
+    if all_counts(counts):
         return counts
-    if not all(_is_count(value) for value in counts):
-        _fail(f"{_path(where, name)}: expected non-negative ints, got {_show(values)}")
+    if not all(is_count(value) for value in counts):
+        fail(f"{joined(where, name)}: expected non-negative ints, got {show(values)}")
     return [int(value) for value in counts]
 
 
 def _check_chunk(offsets: list[int], sizes: list[int], size: list[int], where: str) -> None:
     if len(offsets) != len(size) or len(sizes) != len(size):
-        _fail(f"{where}: offsets {offsets} and sizes {sizes} do not match tensor size {size}")
+        fail(f"{where}: offsets {offsets} and sizes {sizes} do not match tensor size {size}")
     if any(o + s > n for o, s, n in zip(offsets, sizes, size, strict=True)):
-        _fail(f"{where}: offsets {offsets} + sizes {sizes} exceed tensor size {size}")
+        fail(f"{where}: offsets {offsets} + sizes {sizes} exceed tensor size {size}")
 
 
 def _encode_storage_meta(meta: StorageMeta | None) -> dict[str, Any] | None:
     if meta is None:
         return None
     if not isinstance(meta, StorageMeta):
-        _fail(f"storage_meta: expected a StorageMeta, got {type(meta).__name__}")
+        fail(f"storage_meta: expected a StorageMeta, got {type(meta).__name__}")
     checkpoint_id = meta.checkpoint_id
     if checkpoint_id is not None:
         try:
             checkpoint_id = os.fsdecode(checkpoint_id)
         except TypeError:
-            _fail(f"storage_meta.checkpoint_id: expected a str or path, got {_show(checkpoint_id)}")
+            fail(f"storage_meta.checkpoint_id: expected a str or path, got {show(checkpoint_id)}")
     for name in ("save_id", "load_id"):
         value = getattr(meta, name)
         if value is not None and not isinstance(value, str):
-            _fail(f"storage_meta.{name}: expected a str or None, got {_show(value)}")
+            fail(f"storage_meta.{name}: expected a str or None, got {show(value)}")
     modules = list(meta.modules or [])
     if not all(isinstance(module, str) for module in modules):
-        _fail(f"storage_meta.modules: expected a list of str, got {_show(meta.modules)}")
+        fail(f"storage_meta.modules: expected a list of str, got {show(meta.modules)}")
     return {
         "checkpoint_id": checkpoint_id,
         "save_id": meta.save_id,
@@ -415,14 +405,14 @@ def _encode_storage_meta(meta: StorageMeta | None) -> dict[str, Any] | None:
 def _to_json(value: Any, where: str, *, tag_tuples: bool, depth: int) -> Any:
     """Copy ``value`` as plain JSON data; tuples become tagged objects when ``tag_tuples``."""
     if depth > _MAX_DEPTH:
-        _fail(f"{where}: nested more than {_MAX_DEPTH} deep (a reference cycle?)")
+        fail(f"{where}: nested more than {_MAX_DEPTH} deep (a reference cycle?)")
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, int):
         return int(value)
     if isinstance(value, float):
         if not math.isfinite(value):
-            _fail(f"{where}: {value} cannot be stored in JSON")
+            fail(f"{where}: {value} cannot be stored in JSON")
         return float(value)
     if isinstance(value, (list, tuple)):
         items = [
@@ -434,12 +424,12 @@ def _to_json(value: Any, where: str, *, tag_tuples: bool, depth: int) -> Any:
         out: dict[str, Any] = {}
         for key, item in value.items():
             if not isinstance(key, str):
-                _fail(f"{where}: key {_show(key)} is not a str (JSON keys must be)")
+                fail(f"{where}: key {show(key)} is not a str (JSON keys must be)")
             out[key] = _to_json(item, f"{where}[{key!r}]", tag_tuples=tag_tuples, depth=depth + 1)
         if tag_tuples and list(out) == [_TUPLE_TAG]:
-            _fail(f"{where}: a dict with the single key {_TUPLE_TAG!r} would read back as a tuple")
+            fail(f"{where}: a dict with the single key {_TUPLE_TAG!r} would read back as a tuple")
         return out
-    _fail(f"{where}: {type(value).__name__} value {_show(value)} cannot be stored in JSON")
+    fail(f"{where}: {type(value).__name__} value {show(value)} cannot be stored in JSON")
 
 
 # --------------------------------------------------------------------------------------- decode
@@ -450,101 +440,86 @@ def decode(data: bytes, *, url: str) -> Checkpoint:
     try:
         with _gc_paused():
             return _decode_record(data)
-    except _Invalid as exc:
+    except Invalid as exc:
         raise MetadataError(f"{url}: {exc}", url=url) from None
     except RecursionError:
         raise MetadataError(f"{url}: commit record is nested too deeply", url=url) from None
 
 
-def _reject_constant(name: str) -> NoReturn:
-    _fail(f"not strict JSON: {name} is not a JSON number")
-
-
-def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        seen: set[str] = set()
-        for key, _ in pairs:
-            if key in seen:
-                _fail(f"not a valid commit record: key {_show(key)} appears twice in one object")
-            seen.add(key)
-    return out
-
-
 def _decode_record(data: bytes) -> Checkpoint:
     if not isinstance(data, (bytes, bytearray, memoryview)):
-        _fail(f"commit record must be bytes, got {type(data).__name__}")
+        fail(f"commit record must be bytes, got {type(data).__name__}")
     if bytes(data[:1]) == b"\x80":
-        _fail(
+        fail(
             "this is a pickle (e.g. torch's FileSystemWriter .metadata), not an s3ckpt commit "
             "record; s3ckpt never unpickles"
         )
     try:
         text = str(data, "utf-8")
     except UnicodeDecodeError as exc:
-        _fail(f"commit record is not UTF-8 text (garbled?): {exc}")
+        fail(f"commit record is not UTF-8 text (garbled?): {exc}")
     try:
-        root = json.loads(text, object_pairs_hook=_unique_pairs, parse_constant=_reject_constant)
+        root = json.loads(text, object_pairs_hook=unique_pairs, parse_constant=reject_constant)
     except json.JSONDecodeError as exc:
-        _fail(f"commit record is not valid JSON (truncated or garbled?): {exc}")
+        fail(f"commit record is not valid JSON (truncated or garbled?): {exc}")
 
-    record = _dict(root, "commit record")
+    record = as_dict(root, "commit record")
     fmt = record.get("format")
     if fmt != FORMAT:
-        _fail(f"not an s3ckpt commit record (format is {_show(fmt)}, expected {FORMAT!r})")
-    version = _field(record, "version", "commit record")
-    if not _is_count(version) or version < 1:
-        _fail(f"version: expected a positive int, got {_show(version)}")
+        fail(f"not an s3ckpt commit record (format is {show(fmt)}, expected {FORMAT!r})")
+    version = get_field(record, "version", "commit record")
+    if not is_count(version) or version < 1:
+        fail(f"version: expected a positive int, got {show(version)}")
     if version > FORMAT_VERSION:
-        _fail(
+        fail(
             f"written by a newer s3ckpt (format version {version}; this s3ckpt reads up to "
             f"{FORMAT_VERSION}); upgrade s3ckpt"
         )
 
-    save_id = _str(_field(record, "save_id", ""), "save_id")
-    created = _field(record, "created", "")
+    save_id = as_str(get_field(record, "save_id", ""), "save_id")
+    created = get_field(record, "created", "")
     if (
         not isinstance(created, (int, float))
         or isinstance(created, bool)
         or not 0 <= created < 1e11
     ):
-        _fail(f"created: expected a unix time, got {_show(created)}")
-    dcp_version = _opt_str(_field(record, "dcp_version", ""), "dcp_version")
+        fail(f"created: expected a unix time, got {show(created)}")
+    dcp_version = opt_str(get_field(record, "dcp_version", ""), "dcp_version")
 
     objects: dict[str, int] = {}
-    for key, size in _dict(_field(record, "objects", ""), "objects").items():
+    for key, size in as_dict(get_field(record, "objects", ""), "objects").items():
         if not _is_valid_key(key):
-            _fail(f"objects: {_show(key)} is not a relative object key")
-        objects[key] = _count(size, f"objects[{key!r}]")
+            fail(f"objects: {show(key)} is not a relative object key")
+        objects[key] = as_count(size, f"objects[{key!r}]")
 
     frames: dict[str, FrameTable] = {}
-    tables = _dict(_field(record, "frames", ""), "frames")
+    tables = as_dict(get_field(record, "frames", ""), "frames")
     if set(tables) != set(objects):
-        _fail("frames: expected one frame table per object")
+        fail("frames: expected one frame table per object")
     for key, table in tables.items():
         try:
             frames[key] = FrameTable.from_json(table, objects[key])
         except ValueError as e:
-            _fail(f"frames[{key!r}]: {e}")
+            fail(f"frames[{key!r}]: {e}")
 
-    extra = _dict(_field(record, "extra", ""), "extra")
-    storage_meta = _decode_storage_meta(_field(record, "storage_meta", ""))
-    planner_data = _from_json(_field(record, "planner_data", ""), "planner_data")
+    extra = as_dict(get_field(record, "extra", ""), "extra")
+    storage_meta = _decode_storage_meta(get_field(record, "storage_meta", ""))
+    planner_data = _from_json(get_field(record, "planner_data", ""), "planner_data")
 
     raw_sizes = {key: table.raw_size for key, table in frames.items()}
     locators: dict[MetadataIndex, Locator] = {}
     state_dict: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
-    for fqn, entry in _dict(_field(record, "state_dict", ""), "state_dict").items():
+    for fqn, entry in as_dict(get_field(record, "state_dict", ""), "state_dict").items():
         where = f"state_dict[{fqn!r}]"
-        entry = _dict(entry, where)
-        kind = _field(entry, "type", where)
+        entry = as_dict(entry, where)
+        kind = get_field(entry, "type", where)
         if kind == "bytes":
             locators[MetadataIndex(fqn)] = _decode_locator(entry, raw_sizes, where)
             state_dict[fqn] = BytesStorageMetadata()
         elif kind == "tensor":
             state_dict[fqn] = _decode_tensor(fqn, entry, raw_sizes, locators, where)
         else:
-            _fail(f"{where}.type: expected 'tensor' or 'bytes', got {_show(kind)}")
+            fail(f"{where}.type: expected 'tensor' or 'bytes', got {show(kind)}")
 
     metadata = Metadata(
         state_dict_metadata=state_dict,
@@ -572,38 +547,38 @@ def _decode_tensor(
     where: str,
 ) -> TensorStorageMetadata:
     properties = TensorProperties(
-        dtype=_lookup(_DTYPES, _field(entry, "dtype", where), where, "dtype"),
-        layout=_lookup(_LAYOUTS, _field(entry, "layout", where), where, "layout"),
-        requires_grad=_bool(_field(entry, "requires_grad", where), where, "requires_grad"),
-        memory_format=_lookup(
-            _MEMORY_FORMATS, _field(entry, "memory_format", where), where, "memory_format"
+        dtype=lookup(_DTYPES, get_field(entry, "dtype", where), where, "dtype"),
+        layout=lookup(_LAYOUTS, get_field(entry, "layout", where), where, "layout"),
+        requires_grad=as_bool(get_field(entry, "requires_grad", where), where, "requires_grad"),
+        memory_format=lookup(
+            _MEMORY_FORMATS, get_field(entry, "memory_format", where), where, "memory_format"
         ),
-        pin_memory=_bool(_field(entry, "pin_memory", where), where, "pin_memory"),
+        pin_memory=as_bool(get_field(entry, "pin_memory", where), where, "pin_memory"),
     )
-    size = _counts(_field(entry, "size", where), where, "size")
+    size = as_counts(get_field(entry, "size", where), where, "size")
     chunks: list[ChunkStorageMetadata] = []
-    for position, chunk in enumerate(_list(_field(entry, "chunks", where), where, "chunks")):
+    for position, chunk in enumerate(as_list(get_field(entry, "chunks", where), where, "chunks")):
         at = f"{where}.chunks[{position}]"
-        chunk = _dict(chunk, at)
-        offsets = _counts(_field(chunk, "offsets", at), at, "offsets")
-        sizes = _counts(_field(chunk, "sizes", at), at, "sizes")
+        chunk = as_dict(chunk, at)
+        offsets = as_counts(get_field(chunk, "offsets", at), at, "offsets")
+        sizes = as_counts(get_field(chunk, "sizes", at), at, "sizes")
         _check_chunk(offsets, sizes, size, at)
         index = MetadataIndex(fqn, offsets, position)
         if index in locators:
-            _fail(f"{at}: two chunks start at offsets {offsets}")
+            fail(f"{at}: two chunks start at offsets {offsets}")
         locators[index] = _decode_locator(chunk, objects, at)
         chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
     return TensorStorageMetadata(properties=properties, size=torch.Size(size), chunks=chunks)
 
 
 def _decode_locator(entry: dict[str, Any], objects: Mapping[str, int], where: str) -> Locator:
-    raw = _dict(_field(entry, "locator", where), where, "locator")
+    raw = as_dict(get_field(entry, "locator", where), where, "locator")
     if "key" not in raw or "offset" not in raw or "length" not in raw:
-        _fail(f"{where}.locator: expected key, offset and length, got {_show(raw)}")
+        fail(f"{where}.locator: expected key, offset and length, got {show(raw)}")
     locator = Locator(raw["key"], raw["offset"], raw["length"])
     if type(locator.offset) is not int or type(locator.length) is not int:  # bool, float, str
-        _count(locator.offset, _path(where, "locator"), "offset")
-        _count(locator.length, _path(where, "locator"), "length")
+        as_count(locator.offset, joined(where, "locator"), "offset")
+        as_count(locator.length, joined(where, "locator"), "length")
     _check_locator(locator, objects, where, "locator")
     return locator
 
@@ -611,15 +586,15 @@ def _decode_locator(entry: dict[str, Any], objects: Mapping[str, int], where: st
 def _decode_storage_meta(value: Any) -> StorageMeta | None:
     if value is None:
         return None
-    raw = _dict(value, "storage_meta")
-    modules = _list(_field(raw, "modules", "storage_meta"), "storage_meta", "modules")
+    raw = as_dict(value, "storage_meta")
+    modules = as_list(get_field(raw, "modules", "storage_meta"), "storage_meta", "modules")
     return StorageMeta(
-        checkpoint_id=_opt_str(
-            _field(raw, "checkpoint_id", "storage_meta"), "storage_meta.checkpoint_id"
+        checkpoint_id=opt_str(
+            get_field(raw, "checkpoint_id", "storage_meta"), "storage_meta.checkpoint_id"
         ),
-        save_id=_opt_str(_field(raw, "save_id", "storage_meta"), "storage_meta.save_id"),
-        load_id=_opt_str(_field(raw, "load_id", "storage_meta"), "storage_meta.load_id"),
-        modules=[_str(module, f"storage_meta.modules[{i}]") for i, module in enumerate(modules)],
+        save_id=opt_str(get_field(raw, "save_id", "storage_meta"), "storage_meta.save_id"),
+        load_id=opt_str(get_field(raw, "load_id", "storage_meta"), "storage_meta.load_id"),
+        modules=[as_str(module, f"storage_meta.modules[{i}]") for i, module in enumerate(modules)],
     )
 
 
@@ -629,64 +604,7 @@ def _from_json(value: Any, where: str) -> Any:
         return [_from_json(v, f"{where}[{i}]") for i, v in enumerate(value)]
     if isinstance(value, dict):
         if list(value) == [_TUPLE_TAG]:
-            items = _list(value[_TUPLE_TAG], where, _TUPLE_TAG)
+            items = as_list(value[_TUPLE_TAG], where, _TUPLE_TAG)
             return tuple(_from_json(v, f"{where}[{i}]") for i, v in enumerate(items))
         return {k: _from_json(v, f"{where}[{k!r}]") for k, v in value.items()}
     return value
-
-
-def _field(obj: dict[str, Any], name: str, where: str) -> Any:
-    if name not in obj:
-        _fail(f"{where + ': ' if where else ''}missing field {name!r}")
-    return obj[name]
-
-
-def _dict(value: Any, where: str, name: str = "") -> dict[str, Any]:
-    if type(value) is not dict:
-        _fail(f"{_path(where, name)}: expected a JSON object, got {_show(value)}")
-    return value
-
-
-def _list(value: Any, where: str, name: str = "") -> list[Any]:
-    if type(value) is not list:
-        _fail(f"{_path(where, name)}: expected a JSON list, got {_show(value)}")
-    return value
-
-
-def _str(value: Any, where: str, name: str = "") -> str:
-    if type(value) is not str:
-        _fail(f"{_path(where, name)}: expected a string, got {_show(value)}")
-    return value
-
-
-def _opt_str(value: Any, where: str, name: str = "") -> str | None:
-    return None if value is None else _str(value, where, name)
-
-
-def _bool(value: Any, where: str, name: str = "") -> bool:
-    if type(value) is not bool:
-        _fail(f"{_path(where, name)}: expected true or false, got {_show(value)}")
-    return value
-
-
-def _count(value: Any, where: str, name: str = "") -> int:
-    if not _is_count(value):
-        _fail(f"{_path(where, name)}: expected a non-negative int, got {_show(value)}")
-    return int(value)
-
-
-def _counts(value: Any, where: str, name: str = "") -> list[int]:
-    values = _list(value, where, name)
-    if not _all_counts(values):
-        path = _path(where, name)
-        for i, v in enumerate(values):
-            _count(v, f"{path}[{i}]")
-    return values
-
-
-def _lookup(table: Mapping[str, _T], value: Any, where: str, name: str = "") -> _T:
-    found = table.get(value) if isinstance(value, str) else None
-    if found is None:
-        known = ", ".join(table)
-        _fail(f"{_path(where, name)}: unsupported value {_show(value)} (known: {known})")
-    return found

@@ -3,7 +3,7 @@
 `Requests` is the base of the transfer engine (`s3ckpt.transfer.Transfer`): every S3 call goes
 through `Requests._call`, which maps errors (one place: `s3ckpt.client.map_error`), counts, and
 retries as `s3ckpt.retry` says. The small bucket operations that tools, the commit and garbage
-collection need live here; moving data lives in `transfer`.
+collection need live here; moving data lives in `downloads` and `transfer`.
 """
 
 from __future__ import annotations
