@@ -6,12 +6,12 @@
 #
 # Needs: apt-get install -y radosgw ceph-mon ceph-osd ceph-common   (Debian 12: Ceph 16.2)
 # Settings (environment): CEPH_DIR (/tmp/s3ckpt-ceph), CEPH_RGW_PORT (7480),
-#   CEPH_OSD_SIZE_GIB (20, sparse), CEPH_ACCESS_KEY, CEPH_SECRET_KEY. Stop with stop_ceph.sh.
+#   CEPH_OSD_SIZE_GIB (40, sparse), CEPH_ACCESS_KEY, CEPH_SECRET_KEY. Stop with stop_ceph.sh.
 set -euo pipefail
 
 DIR=${CEPH_DIR:-/tmp/s3ckpt-ceph}
 PORT=${CEPH_RGW_PORT:-7480}
-SIZE_GIB=${CEPH_OSD_SIZE_GIB:-20}
+SIZE_GIB=${CEPH_OSD_SIZE_GIB:-40}
 ACCESS_KEY=${CEPH_ACCESS_KEY:-s3ckpt-ceph}
 SECRET_KEY=${CEPH_SECRET_KEY:-s3ckpt-ceph-secret-key}
 CONF="$DIR/ceph.conf"
@@ -92,6 +92,10 @@ osd memory target = 1610612736
 [client.rgw.a]
 rgw frontends = beast endpoint=127.0.0.1:$PORT
 rgw dns name = 127.0.0.1
+# reclaim deleted objects within seconds (default: after 2 h), or benchmarks that write and
+# delete GiBs per case fill the OSD
+rgw gc obj min wait = 5
+rgw gc processor period = 5
 # with auth none, radosgw otherwise loops forever negotiating with the mon
 ms mon client mode = crc secure
 CONF
