@@ -31,12 +31,8 @@ class Downloads(Requests):
             async with reply["Body"] as body:
                 data: bytes = await body.read()
             if len(data) != reply["ContentLength"]:
-                raise self._truncated(
-                    bucket,
-                    key,
-                    f"get_object s3://{bucket}/{key} at {self.endpoint}: response ended after "
-                    f"{len(data)} of {reply['ContentLength']} bytes",
-                )
+                ended = f"after {len(data)} of {reply['ContentLength']} bytes"
+                raise self._truncated(bucket, key, ended)
             return data
 
         async with self._semaphore():
@@ -84,12 +80,8 @@ class Downloads(Requests):
                         except FrameCheck.Mismatch as m:
                             raise self._mismatch(bucket, key, m) from None
             if scatter.position != end:
-                raise self._truncated(
-                    bucket,
-                    key,
-                    f"get_object s3://{bucket}/{key} bytes {start}-{end - 1} at "
-                    f"{self.endpoint}: response ended at byte {scatter.position}",
-                )
+                ended = f"at byte {scatter.position} of bytes {start}-{end - 1}"
+                raise self._truncated(bucket, key, ended)
 
         await self._retrying("get_object", bucket, key, attempt)
 
@@ -139,17 +131,13 @@ class Downloads(Requests):
                         raise self._mismatch(bucket, key, m) from None
                     following += 1
             if following < frames.stop:
-                raise self._truncated(
-                    bucket,
-                    key,
-                    f"get_object s3://{bucket}/{key} at {self.endpoint}: response ended "
-                    f"before frame {following} was complete",
-                )
+                raise self._truncated(bucket, key, f"before frame {following} was complete")
 
         await self._retrying("get_object", bucket, key, attempt)
 
-    def _truncated(self, bucket: str, key: str, message: str) -> StorageError:
+    def _truncated(self, bucket: str, key: str, ended: str) -> StorageError:
         """A response body that ended early: retried like a lost connection."""
+        message = f"get_object s3://{bucket}/{key} at {self.endpoint}: response ended {ended}"
         context = {"endpoint": self.endpoint, "bucket": bucket, "key": key}
         return StorageError(
             message, operation="get_object", code="Truncated", status=None, **context
