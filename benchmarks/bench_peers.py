@@ -135,12 +135,11 @@ class PeerBench:
         self.failures: list[str] = []
         self.failed: set[tuple[str, str]] = set()
         self.sweep: list[dict[str, Any]] = []
-        self._house = self.direct
 
     # -- housekeeping, straight to the server (never through the proxy)
     def _raw(self, coro_of: Any) -> Any:
         async def run() -> Any:
-            async with RawClient(self._house.s3ckpt_config(tuned=False)) as raw:
+            async with RawClient(self.direct.s3ckpt_config(tuned=False)) as raw:
                 return await coro_of(raw)
 
         return asyncio.run(run())

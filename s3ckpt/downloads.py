@@ -106,7 +106,7 @@ class Downloads(Requests):
         async def attempt() -> None:
             nonlocal following
             start, end = table.starts[following], table.starts[frames.stop]
-            check = FrameCheck(table, start, end)
+            check = FrameCheck(table, start)
             reply = await (await self._client()).get_object(
                 Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}"
             )

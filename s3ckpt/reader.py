@@ -221,7 +221,7 @@ class S3Reader(StorageReader):
                     await _fetch_compressed(transfer, bucket, fetch, table, segments)
                 else:
                     start, end = table.covering(fetch.start, fetch.end)
-                    check = FrameCheck(table, start, end)
+                    check = FrameCheck(table, start)
                     await transfer.get_scattered(bucket, fetch.key, start, end, segments, check)
                 if buffered:
                     await loop.run_in_executor(None, _place_all, buffered)

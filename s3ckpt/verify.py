@@ -45,7 +45,7 @@ async def _verify(location: Location, transfer: Transfer) -> VerifyReport:
 
     async def check(key: str, table: FrameTable, start: int, end: int) -> None:
         async with transfer.slot():
-            check = FrameCheck(table, start, end)
+            check = FrameCheck(table, start)
             await transfer.get_scattered(location.bucket, key, start, end, [], check)
 
     outcomes = await asyncio.gather(*(check(*r) for r in ranges), return_exceptions=True)

@@ -116,7 +116,7 @@ def test_frame_check_finds_the_damaged_frame_and_restarts_it() -> None:
     data = bytearray(range(256)) * 40  # 10,240 bytes: frames of 4096, 4096, 2048
     crcs = [checksum(bytes(data[i : i + 4096])) for i in range(0, len(data), 4096)]
     table = FrameTable.raw(4096, crcs, len(data))
-    check = FrameCheck(table, 4096, len(data))
+    check = FrameCheck(table, 4096)
     check.feed(4096, data[4096:6000])
     assert check.resume_point() == 4096, "a broken stream restarts at its frame's start"
     data[9000] ^= 1
