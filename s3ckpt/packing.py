@@ -9,6 +9,8 @@ buffer (copying from accelerator memory if need be).
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 
 from . import frames
@@ -46,11 +48,15 @@ class Packed:
 
     def _pieces(self, start: int, end: int) -> list[tuple[int, int, int]]:
         """``(item, lo, hi)``: the part of each item's bytes inside ``[start, end)``."""
-        return [
-            (i, max(start, s) - s, min(end, s + n) - s)
-            for i, (s, n) in enumerate(zip(self.starts, self.lengths, strict=True))
-            if s < end and s + n > start and n > 0
-        ]
+        # A bisection, not a scan: objects of many small tensors are read frame by frame.
+        pieces = []
+        for i in range(max(0, bisect.bisect_right(self.starts, start) - 1), len(self.starts)):
+            s, n = self.starts[i], self.lengths[i]
+            if s >= end:
+                break
+            if s + n > start and n > 0:
+                pieces.append((i, max(start, s) - s, min(end, s + n) - s))
+        return pieces
 
     def view(self, start: int, end: int) -> memoryview | None:
         """Bytes ``[start, end)`` without a copy when they lie inside one item in CPU memory."""
