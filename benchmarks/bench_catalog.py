@@ -23,11 +23,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from botocore.config import Config
 
-from benchmarks.common import Endpoint, format_table, machine_info, median, s3_endpoint
+from benchmarks.common import RESULTS, Endpoint, format_table, machine_info, median, s3_endpoint
 from s3ckpt import S3Config, S3Writer, bridge, catalog
 from s3ckpt.transfer import get_transfer
 
-_ROOT = Path(__file__).resolve().parent.parent
 GOAL_S = 5.0
 
 
@@ -41,7 +40,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--region", help="default: the AWS sources, else us-east-1")
     p.add_argument("--bucket", default="s3ckpt-bench", help="created if missing")
     p.add_argument("--copy-threads", type=int, default=32, help="concurrent CopyObject calls")
-    p.add_argument("--json", type=Path, default=_ROOT / "benchmarks" / "results" / "catalog.json")
+    p.add_argument("--json", type=Path, default=RESULTS / "catalog.json")
     return p.parse_args(argv)
 
 

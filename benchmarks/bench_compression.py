@@ -55,6 +55,8 @@ from s3ckpt.config import MiB
 from s3ckpt.packing import element_size
 
 from .common import (
+    RESULTS,
+    ROOT,
     Endpoint,
     cpu_since,
     cpu_times,
@@ -66,8 +68,6 @@ from .common import (
 )
 from .raw import RawClient
 
-_ROOT = Path(__file__).resolve().parent.parent
-_RESULTS = _ROOT / "benchmarks" / "results"
 MB = 1e6  # throughput in decimal MB/s, like the other benchmarks' GB/s
 
 Tensors = dict[str, torch.Tensor]
@@ -99,7 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--region", help="default: the AWS sources, else us-east-1")
     p.add_argument("--bucket", default="s3ckpt-bench", help="created if missing")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, default=_RESULTS / "compression.json")
+    p.add_argument("--json", type=Path, default=RESULTS / "compression.json")
     args = p.parse_args(argv)
     if (
         min(args.steps, args.repeat, args.frame_size_mib, args.verify_pairs) < 1
@@ -233,7 +233,7 @@ class Training:
     @property
     def cache(self) -> Path:
         name = f"minilm-adam-{self.steps}s-{self.batch}x{self.seq_len}-lr{self.lr:g}-{self.seed}"
-        return _RESULTS / f"{name}.pt"
+        return RESULTS / f"{name}.pt"
 
 
 def train_adam(
@@ -718,7 +718,7 @@ def source_revision() -> str | None:
     import subprocess
 
     try:
-        git = ["git", "-C", str(_ROOT)]
+        git = ["git", "-C", str(ROOT)]
         head = subprocess.run(
             [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
         )

@@ -32,6 +32,8 @@ from s3ckpt.config import MiB, S3Config
 
 from .common import (
     GB,
+    RESULTS,
+    ROOT,
     Endpoint,
     cpu_since,
     cpu_times,
@@ -46,7 +48,6 @@ from .workload import S3CKPT_CASES, run_case, state_bytes, state_specs
 
 RAW_CASES = ("raw_upload", "raw_download")
 CASES = RAW_CASES + S3CKPT_CASES
-_ROOT = Path(__file__).resolve().parent.parent
 _KEY_ENV, _SECRET_ENV = "S3CKPT_BENCH_ACCESS_KEY", "S3CKPT_BENCH_SECRET_KEY"
 _CEILING = {"save": "raw_upload", "async_save": "raw_upload", "load": "raw_download"}
 
@@ -63,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bucket", default="s3ckpt-bench", help="created if missing")
     p.add_argument("--part-size-mib", type=int, default=defaults.part_size // MiB)
     p.add_argument("--concurrency", type=int, default=defaults.max_concurrency)
-    p.add_argument("--json", type=Path, default=_ROOT / "benchmarks" / "results" / "core.json")
+    p.add_argument("--json", type=Path, default=RESULTS / "core.json")
     p.add_argument("--only", nargs="+", choices=CASES, default=list(CASES), metavar="CASE")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, help="per case; default 300 s + 120 s per GiB")
@@ -217,7 +218,7 @@ class Bench:
             server = self._server_cpu()
             try:
                 proc = subprocess.run(
-                    command, cwd=_ROOT, env=env, capture_output=True, text=True, timeout=a.timeout_s
+                    command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=a.timeout_s
                 )
             except subprocess.TimeoutExpired:
                 self.failures.append(f"{case} ({prefix}): timed out after {a.timeout_s:g} s")

@@ -58,9 +58,8 @@ from tests.faultproxy import (
     Truncate,
 )
 
-from .common import GB, Endpoint, format_table, machine_info, median, s3_endpoint
+from .common import GB, RESULTS, Endpoint, format_table, machine_info, median, s3_endpoint
 
-_ROOT = Path(__file__).resolve().parent.parent
 KINDS: dict[str, Action] = {
     "500 InternalError": Status(500, "InternalError"),
     "503 SlowDown": Status(503, "SlowDown"),
@@ -91,7 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--region", help="default: the AWS sources, else us-east-1")
     p.add_argument("--bucket", default="s3ckpt-bench", help="created if missing")
     p.add_argument("--seed", type=int, default=0, help="state contents and the faults' draws")
-    p.add_argument("--json", type=Path, default=_ROOT / "benchmarks" / "results" / "faults.json")
+    p.add_argument("--json", type=Path, default=RESULTS / "faults.json")
     args = p.parse_args(argv)
     if args.cycles < 1 or not 0 <= args.fault_rate < 1 or args.max_attempts < 1:
         p.error("--cycles and --max-attempts must be >= 1, --fault-rate in [0, 1)")

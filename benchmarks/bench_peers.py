@@ -49,6 +49,8 @@ from s3ckpt.localserver import free_port
 
 from . import chart
 from .common import (
+    RESULTS,
+    ROOT,
     CountingProxy,
     Endpoint,
     machine_info,
@@ -58,9 +60,7 @@ from .peer_cases import child_main
 from .peers import SYSTEMS, WORKLOADS, Target, peer_env
 from .raw import RawClient
 
-_ROOT = Path(__file__).resolve().parent.parent
-_RESULTS = _ROOT / "benchmarks" / "results"
-_CEPH = _ROOT / "benchmarks" / "ceph"
+_CEPH = ROOT / "benchmarks" / "ceph"
 _TUNED = (32, 16)  # part size MiB, max concurrency: see --tuned auto
 _SWEEP = ((8, 32), (16, 32), (32, 16), (64, 8))
 _GiB = 1024 * MiB
@@ -85,8 +85,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--no-proxy", action="store_true", help="no request counting proxy")
     p.add_argument("--keep-ceph", action="store_true", help="leave a Ceph it started running")
-    p.add_argument("--json", type=Path, default=_RESULTS / "peers.json")
-    p.add_argument("--png", type=Path, default=_RESULTS / "peers.png")
+    p.add_argument("--json", type=Path, default=RESULTS / "peers.json")
+    p.add_argument("--png", type=Path, default=RESULTS / "peers.png")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, help="per case; default 300 s + 240 s per GiB")
     p.add_argument("--child", help=argparse.SUPPRESS)  # internal: one case, as JSON
@@ -214,7 +214,7 @@ class PeerBench:
                     procs.append(
                         subprocess.Popen(
                             command,
-                            cwd=_ROOT,
+                            cwd=ROOT,
                             env=self._env(),
                             stdout=sink,
                             stderr=subprocess.STDOUT,

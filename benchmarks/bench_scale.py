@@ -67,6 +67,8 @@ from s3ckpt.localserver import free_port
 from s3ckpt.transfer import get_transfer
 
 from .common import (
+    RESULTS,
+    ROOT,
     Endpoint,
     RssSampler,
     format_table,
@@ -78,8 +80,6 @@ AXES = ("tensors", "world", "size")
 SMALL_BYTES = (256, 512, 1024, 2048, 4096)  # cycled: 1,587 B a tensor on average
 LARGE_TENSOR = 16 * MiB
 _COLS = 16  # small tensors are (n, 16) fp32 matrices so they can be sharded along dim 0
-_ROOT = Path(__file__).resolve().parent.parent
-_RESULTS = _ROOT / "benchmarks" / "results"
 
 
 @dataclass(frozen=True)
@@ -725,7 +725,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--secret-key", help="with --endpoint-url")
     p.add_argument("--region", help="default: the AWS sources, else us-east-1")
     p.add_argument("--bucket", default="s3ckpt-bench", help="created if missing")
-    p.add_argument("--json", type=Path, default=_RESULTS / "scale.json")
+    p.add_argument("--json", type=Path, default=RESULTS / "scale.json")
     p.add_argument(
         "--gc",
         choices=("default", "freeze", "off"),
@@ -733,7 +733,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="cyclic GC in the ranks: as is, gc.freeze() after building the state, or disabled",
     )
     p.add_argument("--profile", action="store_true", help="cProfile rank 0 of every point")
-    p.add_argument("--profile-dir", type=Path, default=_RESULTS / "scale-profiles")
+    p.add_argument("--profile-dir", type=Path, default=RESULTS / "scale-profiles")
     args = p.parse_args(argv)
     if min(args.tensors + args.worlds + [args.world_tensors] + args.sizes_mib) < 1:
         p.error("counts and sizes must be positive")
@@ -818,11 +818,11 @@ def _git_commit() -> str | None:
     """The s3ckpt commit measured (with "+dirty" when the tree has changes)."""
     try:
         head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=_ROOT, capture_output=True, text=True
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
         ).stdout.strip()
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--", "s3ckpt"],
-            cwd=_ROOT,
+            cwd=ROOT,
             capture_output=True,
             text=True,
         ).stdout.strip()

@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -32,6 +33,8 @@ from s3ckpt.localserver import SeaweedFS, find_weed
 
 __all__ = [
     "GB",
+    "RESULTS",
+    "ROOT",
     "CountingProxy",
     "Endpoint",
     "MiB",
@@ -47,6 +50,8 @@ __all__ = [
     "server_cpu_seconds",
 ]
 
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"  # JSON, charts and caches every benchmark writes
 GB = 1e9  # throughput is reported in decimal GB/s, as storage vendors quote it
 _SAMPLE_INTERVAL_S = 0.01
 
