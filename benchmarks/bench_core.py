@@ -9,6 +9,7 @@ the first stall and the time to copy the same bytes into allocated buffers are r
 
     python -m benchmarks.bench_core                      # 1 GiB, 3 repetitions, local SeaweedFS
     python -m benchmarks.bench_core --size-gib 0.25 --repeat 1 --only save load
+    python -m benchmarks.bench_core --checksum off --json /tmp/core-off.json   # price of checksums
     python -m benchmarks.bench_core --endpoint-url https://s3.example --access-key K --secret-key S
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import secrets
@@ -64,6 +66,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bucket", default="s3ckpt-bench", help="created if missing")
     p.add_argument("--part-size-mib", type=int, default=defaults.part_size // MiB)
     p.add_argument("--concurrency", type=int, default=defaults.max_concurrency)
+    p.add_argument(
+        "--checksum",
+        choices=("auto", "crc32c", "md5", "off"),
+        default=defaults.checksum,
+        help="s3ckpt's wire checksums (the raw client sends none): 'off' prices them",
+    )
     p.add_argument("--json", type=Path, default=RESULTS / "core.json")
     p.add_argument("--only", nargs="+", choices=CASES, default=list(CASES), metavar="CASE")
     p.add_argument("--seed", type=int, default=0)
@@ -82,7 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _config(args: argparse.Namespace, endpoint: Endpoint) -> S3Config:
-    return endpoint.config(part_size=args.part_size_mib * MiB, max_concurrency=args.concurrency)
+    config = endpoint.config(part_size=args.part_size_mib * MiB, max_concurrency=args.concurrency)
+    return dataclasses.replace(config, checksum=args.checksum)
 
 
 def child_main(args: argparse.Namespace) -> int:
@@ -206,7 +215,7 @@ class Bench:
             command = [sys.executable, "-m", "benchmarks.bench_core", "--child", case]
             command += ["--endpoint-url", self.endpoint.url, "--bucket", a.bucket]
             command += ["--prefix", prefix, "--size-gib", repr(a.size_gib), "--seed", str(a.seed)]
-            command += ["--part-size-mib", str(a.part_size_mib)]
+            command += ["--part-size-mib", str(a.part_size_mib), "--checksum", a.checksum]
             command += ["--concurrency", str(a.concurrency), "--timeout-s", str(a.timeout_s)]
             command += ["--child-out", str(out)] + (["--verify"] if verify else [])
             command += ["--region", a.region] if a.region else []
@@ -337,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
             "repeat": args.repeat,
             "part_size": bench.config.part_size,
             "max_concurrency": bench.config.max_concurrency,
+            "checksum": bench.config.checksum,
             "multipart_threshold": bench.config.multipart_threshold,
             "objects": len(object_ranges(bench.size, bench.config.part_size)),
             "bucket": args.bucket,

@@ -1,0 +1,169 @@
+"""DCP's own cost: ``async_save`` into a storage layer that stores nothing.
+
+Every storage layer pays for DCP's per-tensor work (Stateful checks, planning, deduplication,
+resolving each item, a debug log record per call) before and around its own. This benchmark
+measures that floor with a writer that stages like S3Writer (the same reusable buffers) and
+then discards every item, so no storage layer can save faster than the "total" column, and none
+can stall less than the "stall" column. Each workload runs with DCP's logger at its default
+(DEBUG into a NullHandler) and quietened to INFO, as the README suggests. No server is needed.
+
+    python -m benchmarks.bench_dcp_floor                       # 2 GiB large, 20,000 small
+    python -m benchmarks.bench_dcp_floor --small-count 2000 --size-gib 0.25 --repeat 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from s3ckpt.config import MiB
+from s3ckpt.staging import StagingBuffers
+
+from .common import GB, RESULTS, format_table, machine_info, median
+from .peers import workload_specs
+from .workload import build_state, state_bytes
+
+DCP_LOGGER = "c10d-NullHandler-dcp_logger"  # where torch's DCP logs every decorated call
+
+
+class NullWriter(StorageWriter):
+    """Stages like S3Writer, resolves every item as a writer must, and stores nothing."""
+
+    def __init__(self) -> None:
+        self._buffers = StagingBuffers()
+
+    # AsyncStager (a runtime-checked protocol: every member must exist, or DCP stages its own
+    # way): the same staging S3Writer does, so the stall compares like with like.
+    _synchronize_after_execute = False
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return self._synchronize_after_execute
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return self._buffers.stage(state_dict)
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self._buffers.release()
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        pass
+
+    def set_up_storage_writer(self, is_coordinator: bool, **kwargs: Any) -> None:
+        pass
+
+    def storage_meta(self) -> None:
+        self._buffers.save_started()
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        results = []
+        for item in plan.items:
+            planner.resolve_data(item)
+            results.append(WriteResult(item.index, 0, None))
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        pass
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return True
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_dcp_floor", description=__doc__)
+    p.add_argument("--size-gib", type=float, default=2.0, help="large workload size (GiB)")
+    p.add_argument("--small-count", type=int, default=20_000, help="small workload tensors")
+    p.add_argument("--repeat", type=int, default=5, help="timed saves per case; medians")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=RESULTS / "dcp-floor.json")
+    args = p.parse_args(argv)
+    if args.size_gib <= 0 or args.small_count < 1 or args.repeat < 1:
+        p.error("--size-gib, --small-count and --repeat must be positive")
+    return args
+
+
+def _save(state: dict[str, torch.Tensor], writer: NullWriter, level: int) -> tuple[float, float]:
+    """One async_save as a training loop does it: (stall, seconds until it is done)."""
+    logging.getLogger(DCP_LOGGER).setLevel(level)
+    gc.collect()
+    started = time.perf_counter()
+    future = dcp.async_save(state, storage_writer=writer, no_dist=True)
+    stall = time.perf_counter() - started
+    future.result()
+    return stall, time.perf_counter() - started
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not isinstance(NullWriter(), AsyncStager):
+        raise RuntimeError("NullWriter is not an AsyncStager for this torch: DCP would stage")
+    size = int(args.size_gib * 1024 * MiB)
+    runs: dict[str, dict[str, Any]] = {}
+    logger = logging.getLogger(DCP_LOGGER)
+    level_before = logger.level
+    levels = {"default": level_before, "quiet": logging.INFO}  # torch's default: DEBUG
+    for workload in ("large", "small"):
+        specs = workload_specs(workload, size, args.small_count)
+        state = build_state(specs, args.seed)
+        writer = NullWriter()
+        for level in levels.values():
+            _save(state, writer, level)  # the first save allocates the staging buffers
+        timings: dict[str, list[tuple[float, float]]] = {name: [] for name in levels}
+        for _ in range(args.repeat):  # interleaved, so drift hits both alike
+            for name, level in levels.items():
+                timings[name].append(_save(state, writer, level))
+        writer.close()
+        for name, pairs in timings.items():
+            runs[f"{workload}/{name}"] = {
+                "tensors": len(specs),
+                "bytes": state_bytes(specs),
+                "stall_s": [stall for stall, _ in pairs],
+                "total_s": [total for _, total in pairs],
+            }
+        del state
+    logger.setLevel(level_before)
+
+    rows = []
+    for case, run in runs.items():
+        stall, total = median(run["stall_s"]), median(run["total_s"])
+        assert stall is not None and total is not None
+        per_tensor_us = (total - stall) / run["tensors"] * 1e6
+        rows.append([case, run["tensors"], run["bytes"] / GB, stall, total, per_tensor_us])
+        run.update(stall_median_s=stall, total_median_s=total)
+    headers = ["workload/DCP logging", "tensors", "GB", "stall s", "total s", "after stall µs/t"]
+    print(format_table(headers, rows))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    report = {"machine": machine_info(), "settings": vars(args) | {"json": str(args.json)}}
+    args.json.write_text(json.dumps(report | {"runs": runs}, indent=2) + "\n")
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
