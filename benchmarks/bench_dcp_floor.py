@@ -17,6 +17,7 @@ import argparse
 import gc
 import json
 import logging
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -33,7 +34,7 @@ from torch.futures import Future
 from s3ckpt.config import MiB
 from s3ckpt.staging import StagingBuffers
 
-from .common import GB, RESULTS, format_table, machine_info, median
+from .common import GB, RESULTS, format_table, machine_info
 from .peers import workload_specs
 from .workload import build_state, state_bytes
 
@@ -151,8 +152,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     for case, run in runs.items():
-        stall, total = median(run["stall_s"]), median(run["total_s"])
-        assert stall is not None and total is not None
+        stall, total = statistics.median(run["stall_s"]), statistics.median(run["total_s"])
         per_tensor_us = (total - stall) / run["tensors"] * 1e6
         rows.append([case, run["tensors"], run["bytes"] / GB, stall, total, per_tensor_us])
         run.update(stall_median_s=stall, total_median_s=total)
