@@ -10,13 +10,22 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import re
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .config import parse_s3_url
 
-__all__ = ["METADATA_NAME", "Location", "data_key", "new_save_id", "pack", "spread_digits"]
+__all__ = [
+    "METADATA_NAME",
+    "Location",
+    "data_key",
+    "new_save_id",
+    "pack",
+    "rank_of",
+    "spread_digits",
+]
 
 METADATA_NAME = ".metadata"
 
@@ -81,6 +90,15 @@ def data_key(save_id: str, rank: int, index: int, spread: int = 0, nonce: str = 
     if spread:
         name = f"{hashlib.blake2b(name.encode(), digest_size=8).hexdigest()[:spread]}/{name}"
     return f"data-{save_id}/{name}"
+
+
+_DATA_KEY = re.compile(r"data-[^/]+/(?:[0-9a-f]+/)?(\d+)-\d+(?:-[0-9a-f]+)?")
+
+
+def rank_of(key: str) -> int | None:
+    """The rank that wrote a data object, from its `data_key`; None for any other key."""
+    match = _DATA_KEY.fullmatch(key)
+    return int(match.group(1)) if match else None
 
 
 def spread_digits(objects: int) -> int:

@@ -11,7 +11,7 @@ import torch.distributed.checkpoint as dcp
 
 from s3ckpt import S3Config, S3Reader, S3Writer
 from s3ckpt.catalog import gc
-from s3ckpt.layout import data_key, spread_digits
+from s3ckpt.layout import data_key, rank_of, spread_digits
 
 from .faultproxy import FaultProxy, ResetBefore
 from .helpers import listing
@@ -48,6 +48,13 @@ def test_spread_width_grows_with_the_number_of_objects() -> None:
     assert [spread_digits(n) for n in (1, 256, 257, 4096, 4097, 10**9)] == [2, 2, 3, 3, 4, 4]
     assert data_key("id", 3, 1) == "data-id/00003-001"
     assert re.fullmatch(r"data-id/[0-9a-f]{3}/00003-001", data_key("id", 3, 1, spread=3))
+
+
+def test_the_rank_is_read_back_from_every_data_key_form() -> None:
+    assert rank_of(data_key("id", 3, 1)) == 3
+    assert rank_of(data_key("id", 3, 1, spread=3, nonce="ab12cd")) == 3
+    assert rank_of(data_key("id", 12, 0, spread=2)) == 12
+    assert rank_of(".metadata") is None and rank_of("data-id/notes.txt") is None
 
 
 def test_requests_rotate_over_several_endpoints(s3: Any, bucket: str) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
-from .. import catalog
+from .. import catalog, layout
 from ..catalog import CheckpointInfo, GcReport, Removal
 from .base import (
     EXIT_ERROR,
@@ -31,8 +31,6 @@ from .base import (
 )
 
 _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-# data-<save id>/[<hash>/]<rank>-<n>[-<token>] (see s3ckpt.layout.data_key)
-_RANK = re.compile(r"data-[^/]+/(?:[0-9a-f]+/)?(\d+)-\d+(?:-[0-9a-f]+)?")
 
 
 @command("ls", "list the checkpoints at URL and directly under it", URL)
@@ -79,8 +77,7 @@ def _info(session: Session) -> int:
             items.append({"name": fqn, "dtype": "bytes", "shape": None, "bytes": size})
     ranks: dict[int | None, dict[str, Any]] = {}
     for key, size in sorted(checkpoint.objects.items()):
-        match = _RANK.fullmatch(key)
-        rank = int(match.group(1)) if match else None
+        rank = layout.rank_of(key)
         counts = ranks.setdefault(rank, {"rank": rank, "objects": 0, "bytes": 0})
         counts["objects"] += 1
         counts["bytes"] += size
