@@ -60,8 +60,10 @@ class Packed:
 
     def view(self, start: int, end: int) -> memoryview | None:
         """Bytes ``[start, end)`` without a copy when they lie inside one item in CPU memory."""
-        pieces = self._pieces(start, end)
-        if len(pieces) != 1 or pieces[0][2] - pieces[0][1] != end - start:
+        return self._sole_view(self._pieces(start, end), end - start)
+
+    def _sole_view(self, pieces: list[tuple[int, int, int]], length: int) -> memoryview | None:
+        if len(pieces) != 1 or pieces[0][2] - pieces[0][1] != length:
             return None
         i, lo, hi = pieces[0]
         value = self._values[i]
@@ -71,10 +73,10 @@ class Packed:
 
     def read(self, start: int, end: int, scratch: memoryview) -> memoryview:
         """Bytes ``[start, end)``: a view of an item's memory, or ``scratch`` filled with them."""
-        direct = self.view(start, end)
+        pieces = self._pieces(start, end)
+        direct = self._sole_view(pieces, end - start)
         if direct is not None:
             return direct
-        pieces = self._pieces(start, end)
         out = scratch[: end - start]
         if not out:
             return out

@@ -42,7 +42,7 @@ class StagingBuffers:
             self.wait_for_previous_save()
             with self._lock:
                 # A save may have started since the wait: check again under the lock.
-                if self._running_elsewhere():
+                if self._save_elsewhere() is not None:
                     continue
                 signature, on_accelerator = _describe(state_dict)
                 reuse = self._buffers is not None and signature == self._signature
@@ -65,14 +65,17 @@ class StagingBuffers:
             self._unclaimed = max(0, self._unclaimed - 1)
             self._save_thread = threading.current_thread()
 
-    def _running_elsewhere(self) -> bool:
+    def _save_elsewhere(self) -> threading.Thread | None:
+        """The thread of the save last started on this writer, while it runs in another one."""
         thread = self._save_thread
-        return thread is not None and thread is not threading.current_thread() and thread.is_alive()
+        if thread is not None and thread is not threading.current_thread() and thread.is_alive():
+            return thread
+        return None
 
     def wait_for_previous_save(self) -> None:
         """Block until the save last started on this writer (in another thread) has finished."""
-        thread = self._save_thread
-        if self._running_elsewhere() and thread is not None:
+        thread = self._save_elsewhere()
+        if thread is not None:
             thread.join()
 
     def release(self) -> None:
