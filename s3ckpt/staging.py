@@ -6,7 +6,7 @@ when the state lives on an accelerator) and allocates again only when the state'
 shapes or dtypes change.
 
 Buffers are reused only when that is provably safe: every staged copy's save has started on
-this writer (its ``storage_meta`` claimed them) and the running save's thread has finished. So a
+this writer (its first call claimed them) and the running save's thread has finished. So a
 second ``async_save`` on the same writer first waits for the previous save to finish; a save
 that ran elsewhere (PROCESS mode pickles the writer into another process) never lets its
 buffers be reused, and the next save stages into fresh memory as DCP's default would.
@@ -44,6 +44,8 @@ class StagingBuffers:
                 # A save may have started since the wait: check again under the lock.
                 if self._save_elsewhere() is not None:
                     continue
+                if self._save_thread is threading.current_thread():
+                    self._save_thread = None  # a thread that stages has left its save
                 signature, on_accelerator = _describe(state_dict)
                 reuse = self._buffers is not None and signature == self._signature
                 if not reuse or self._unclaimed:
@@ -59,11 +61,16 @@ class StagingBuffers:
                 return staged
 
     def save_started(self) -> None:
-        """Called as a save begins on this writer: it now owns the staged buffers."""
-        self.wait_for_previous_save()
-        with self._lock:
-            self._unclaimed = max(0, self._unclaimed - 1)
-            self._save_thread = threading.current_thread()
+        """Called by a save's first call on this writer: waits while a save runs in another
+        thread, then this save owns the writer and the staged buffers."""
+        while True:
+            self.wait_for_previous_save()
+            with self._lock:
+                # Several saves may have waited for the same one: only one goes on.
+                if self._save_elsewhere() is None:
+                    self._unclaimed = max(0, self._unclaimed - 1)
+                    self._save_thread = threading.current_thread()
+                    return
 
     def _save_elsewhere(self) -> threading.Thread | None:
         """The thread of the save last started on this writer, while it runs in another one."""

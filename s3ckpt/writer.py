@@ -32,6 +32,7 @@ import logging
 import math
 import os
 import secrets
+import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
@@ -133,12 +134,14 @@ class S3Writer(StorageWriter):
         self._save_id: str | None = None
         self._staging = StagingBuffers()
         self._stager_thread: ThreadPoolExecutor | None = None
+        self._reset_in: threading.Thread | None = None  # a save that began with `reset`
 
     def __getstate__(self) -> dict[str, Any]:
         # PROCESS mode pickles the writer on every save: never ship buffers, threads or locks.
         state = dict(self.__dict__)
         state["_staging"] = None
         state["_stager_thread"] = None
+        state["_reset_in"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -179,13 +182,18 @@ class S3Writer(StorageWriter):
         return isinstance(checkpoint_id, str) and checkpoint_id.startswith("s3://")
 
     def reset(self, checkpoint_id: str | Any = None) -> None:
-        self._staging.wait_for_previous_save()
+        # A save begins here when DCP has a checkpoint id for it (else in `storage_meta`): it
+        # waits for the writer before moving it, so a second save cannot move the first.
+        self._staging.save_started()
+        self._reset_in = threading.current_thread()
         if checkpoint_id is not None:
             self.location = self.location.moved_to(str(checkpoint_id))
         self._save_id = None
 
     def storage_meta(self) -> StorageMeta:
-        self._staging.save_started()
+        if self._reset_in is not threading.current_thread():
+            self._staging.save_started()
+        self._reset_in = None
         return StorageMeta(checkpoint_id=self.checkpoint_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, **kwargs: Any) -> None:

@@ -4,6 +4,7 @@ time per writer, and non-blocking staging."""
 from __future__ import annotations
 
 import pickle
+import time
 from typing import Any
 
 import torch
@@ -68,6 +69,47 @@ def test_back_to_back_async_saves_on_one_writer_both_commit_their_values(
     for step in range(3):
         loaded = load(s3, f"s3://{bucket}/s{step}", {"w": weights})
         assert torch.equal(loaded["w"], torch.full((2_000_000,), float(step)))
+
+
+class _SlowToPlan(S3Writer):
+    """Holds its first save between DCP's ``reset`` and ``storage_meta``: the window where a
+    second save's ``reset`` used to move the writer to its own checkpoint id under the first."""
+
+    def storage_meta(self) -> Any:
+        if self.checkpoint_id.endswith("/s0"):
+            time.sleep(1.0)
+        return super().storage_meta()
+
+
+def test_a_second_save_cannot_move_the_first_to_its_checkpoint_id(s3: Any, bucket: str) -> None:
+    writer = _SlowToPlan(bucket, config=s3.config())
+    weights = torch.zeros(100_000)
+    futures = []
+    for step in range(2):
+        weights.fill_(float(step))
+        url = f"s3://{bucket}/s{step}"
+        futures.append(dcp.async_save({"w": weights}, checkpoint_id=url, storage_writer=writer))
+    for future in futures:
+        future.result(timeout=120)
+    for step in range(2):
+        loaded = load(s3, f"s3://{bucket}/s{step}", {"w": weights})
+        assert torch.equal(loaded["w"], torch.full((100_000,), float(step)))
+
+
+def test_an_async_save_after_a_synchronous_one_on_the_same_writer_completes(
+    s3: Any, bucket: str
+) -> None:
+    writer = S3Writer(bucket, config=s3.config())
+    weights = torch.ones(100_000)
+    dcp.save({"w": weights}, checkpoint_id=f"s3://{bucket}/sync", storage_writer=writer)
+    weights.fill_(2.0)
+    future = dcp.async_save(
+        {"w": weights}, checkpoint_id=f"s3://{bucket}/async", storage_writer=writer
+    )
+    future.result(timeout=60)  # used to wait for the main thread, the sync save's, to end
+    assert torch.equal(load(s3, f"s3://{bucket}/sync", {"w": weights})["w"], torch.ones(100_000))
+    assert torch.equal(load(s3, f"s3://{bucket}/async", {"w": weights})["w"], weights)
+    writer.close()
 
 
 def test_non_blocking_staging_returns_a_staging_future(s3: Any, bucket: str) -> None:
