@@ -44,9 +44,16 @@ class S3Config:
     """How to reach the object store, and how hard to push it.
 
     ``part_size x max_concurrency`` bounds the bytes held by in-flight requests per process.
-    A request is tried at most ``max_attempts`` times within ``retry_timeout`` seconds
-    (see `s3ckpt.retry` for what is retried). ``checksum`` is what uploads carry so that the
-    server refuses damaged bytes (see `s3ckpt.wire`; ``auto`` asks each bucket once).
+    A request that fails transiently is retried for ``retry_timeout`` seconds (capped backoff,
+    see `s3ckpt.retry`): a store restarting or shedding load for a few seconds costs time, not
+    the save; ``max_attempts`` caps the attempts as well (``None``: as many as fit). A store that
+    stays down fails a request after ``retry_timeout`` plus that attempt's own timeout. A GET must
+    deliver its bytes at ``min_read_rate`` or better, with one ``read_timeout`` to spare, or the
+    attempt is cut and resumed where it got (a third cut fails it). ``checksum`` is what uploads
+    carry so that the server refuses damaged bytes (see `s3ckpt.wire`; ``auto`` asks each bucket
+    once).
+    ``max_record_size`` is the largest commit record (``.metadata``) a load or a tool will read:
+    a larger one is refused with MetadataError before its bytes are downloaded.
     """
 
     endpoint_url: str | tuple[str, ...] | None = None
@@ -60,12 +67,22 @@ class S3Config:
     ca_bundle: str | None = None
     connect_timeout: float = 5.0
     read_timeout: float = 60.0
-    max_attempts: int = 5
+    max_attempts: int | None = None
     retry_timeout: float = 60.0
+    # 64 KiB/s: a 10 Mbit/s link shared by the 16 default streams still gives each 76 KiB/s, and
+    # the read_timeout of slack covers a stall; what it cuts is a trickle (a failing disk or
+    # proxy) that aiohttp's per-read timeout never ends. A cut costs a request, not progress: the
+    # retry resumes at the first missing byte (at the first missing frame when checked).
+    min_read_rate: float = 64 * 1024
     part_size: int = 16 * MiB
     multipart_threshold: int = 16 * MiB
     max_concurrency: int = 16
     checksum: Literal["auto", "crc32c", "md5", "off"] = "auto"
+    # Measured: a record takes 326 bytes per one-chunk tensor and ~135 per further chunk (100k
+    # tensors: 33 MB), and decoding holds ~6x its size (400k tensors: 131 MB, +797 MB RSS). So
+    # 256 MiB is some 800k tensors or 2M chunks, ~1.6 GB to decode on every rank; a hostile or
+    # runaway record over it costs nothing (refused before its download).
+    max_record_size: int = 256 * MiB
 
     def __post_init__(self) -> None:
         if self.addressing_style not in _ADDRESSING:
@@ -82,12 +99,16 @@ class S3Config:
             raise ConfigError(f"checksum must be auto, crc32c, md5 or off, got {self.checksum!r}")
         if self.max_concurrency < 1:
             raise ConfigError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
-        if self.max_attempts < 1:
-            raise ConfigError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.max_attempts is not None and self.max_attempts < 1:
+            raise ConfigError(f"max_attempts must be None or >= 1, got {self.max_attempts}")
         if self.retry_timeout <= 0:
             raise ConfigError(f"retry_timeout must be > 0 seconds, got {self.retry_timeout}")
+        if self.min_read_rate <= 0:
+            raise ConfigError(f"min_read_rate must be > 0 bytes/s, got {self.min_read_rate}")
         if self.connect_timeout <= 0 or self.read_timeout <= 0:
             raise ConfigError("connect_timeout and read_timeout must be > 0 seconds")
+        if self.max_record_size < 1:
+            raise ConfigError(f"max_record_size must be >= 1 byte, got {self.max_record_size}")
         if (self.access_key_id is None) != (self.secret_access_key is None):
             raise ConfigError("access_key_id and secret_access_key must be given together")
         if isinstance(self.endpoint_url, list | tuple):

@@ -2,41 +2,98 @@
 
 `Downloads` sits between `Requests` (calls, retries) and `Transfer` (which adds uploads). A
 ranged read that breaks off resumes at the first byte still missing; with a `FrameCheck` it
-verifies every frame's CRC32C as the bytes stream past and resumes at a damaged frame.
+verifies every frame's CRC32C as the bytes stream past and resumes at a damaged frame. Every body
+must arrive within a deadline set by its size and ``min_read_rate`` (`_Deadline`), or the attempt
+fails (code ``TooSlow``) and is retried from where it got.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import botocore.exceptions
 
 from .buffers import Scatter
 from .errors import ChecksumMismatch, StorageError
 from .frames import FrameCheck, FrameTable
 from .requests import Requests
+from .retry import RetryPolicy
 
 __all__ = ["Downloads"]
 
 _READ_CHUNK = 1024 * 1024
 
 
+@dataclass
+class _Deadline:
+    """The reading time one attempt's body has left. aiohttp's read timeout restarts with every
+    chunk, so a server that trickles bytes would hold a read for hours; this bounds the total.
+    Only time spent waiting for bytes counts, not the checking and decoding between reads."""
+
+    left: float
+    too_slow: Callable[[], StorageError]
+
+    async def read(self, body: Any, amount: int | None = None) -> bytes:
+        """``body.read(amount)``; raises ``too_slow()`` once the time is used up."""
+        clock = asyncio.get_running_loop().time
+        began = clock()
+        try:
+            data: bytes = await asyncio.wait_for(body.read(amount), max(self.left, 0.0))
+        except asyncio.TimeoutError:
+            if clock() - began < self.left:
+                raise  # aiohttp's own read timeout (a silent server), not the deadline
+            raise self.too_slow() from None
+        finally:
+            self.left -= clock() - began
+        return data
+
+
+def _count(text: Any) -> int | None:
+    """A byte count from a header or an error field, if it is one."""
+    return int(text) if isinstance(text, str) and text.isdigit() else None
+
+
 class Downloads(Requests):
     """Reads under the concurrency bound of `Requests`. Call only on the `bridge` loop."""
 
-    async def get(self, bucket: str, key: str) -> bytes:
-        """A whole object (for small ones such as ``.metadata``); a broken body is retried."""
+    async def get(
+        self,
+        bucket: str,
+        key: str,
+        *,
+        check_size: Callable[[int], None] | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> bytes:
+        """A whole object (for small ones such as ``.metadata``); a broken body is retried.
+
+        ``check_size(length)`` sees the object's length before its body is read, and refuses it
+        by raising: that error is raised as it is, unread bytes are never downloaded.
+        """
+        refused: list[Exception] = []
 
         async def attempt() -> bytes:
             reply = await (await self._client()).get_object(Bucket=bucket, Key=key)
+            deadline = self._deadline(bucket, key, reply["ContentLength"])
             async with reply["Body"] as body:
-                data: bytes = await body.read()
+                if check_size is not None:
+                    try:
+                        check_size(reply["ContentLength"])
+                    except Exception as e:  # a refusal, not a failed request: never retried
+                        refused.append(e)
+                        return b""
+                data = await deadline.read(body)
             if len(data) != reply["ContentLength"]:
                 ended = f"after {len(data)} of {reply['ContentLength']} bytes"
                 raise self._truncated(bucket, key, ended)
             return data
 
         async with self._semaphore():
-            data = await self._retrying("get_object", bucket, key, attempt)
+            data = await self._retrying("get_object", bucket, key, attempt, retry)
+        if refused:
+            raise refused[0]
         self.stats.bytes_received += len(data)
         return data
 
@@ -53,20 +110,25 @@ class Downloads(Requests):
 
         Each segment ``(offset, view)`` receives the bytes from absolute ``offset`` on; bytes
         between segments are read and dropped. With ``check`` every frame's checksum is verified
-        (a mismatch raises ChecksumMismatch). The caller holds a `slot`. A body that breaks off
-        is retried from the first missing byte (from the start of its frame when checked).
+        (a mismatch raises ChecksumMismatch), and an object whose size is not the one the commit
+        recorded fails at once (code ``SizeMismatch``). The caller holds a `slot`. A body that
+        breaks off is retried from the first missing byte (from the start of its frame when
+        checked).
         """
         scatter = Scatter(start, segments)
+
+        def resume_point() -> int:
+            return check.resume_point() if check is not None else scatter.position
 
         async def attempt() -> None:
             if check is not None:
                 scatter.rewind(check.resume_point())
-            reply = await (await self._client()).get_object(
-                Bucket=bucket, Key=key, Range=f"bytes={scatter.position}-{end - 1}"
-            )
+            size = check.object_size if check is not None else None
+            reply = await self._get_range(bucket, key, scatter.position, end, size)
+            deadline = self._deadline(bucket, key, end - scatter.position)
             async with reply["Body"] as body:
                 while scatter.position < end:
-                    chunk = await body.read(min(_READ_CHUNK, end - scatter.position))
+                    chunk = await deadline.read(body, min(_READ_CHUNK, end - scatter.position))
                     if not chunk:
                         break
                     # Scatter first: a chunk may end verified frames before a damaged one, and a
@@ -83,7 +145,7 @@ class Downloads(Requests):
                 ended = f"at byte {scatter.position} of bytes {start}-{end - 1}"
                 raise self._truncated(bucket, key, ended)
 
-        await self._retrying("get_object", bucket, key, attempt)
+        await self._retrying("get_object", bucket, key, attempt, progress=resume_point)
 
     async def get_frames(
         self,
@@ -107,14 +169,13 @@ class Downloads(Requests):
             nonlocal following
             start, end = table.starts[following], table.starts[frames.stop]
             check = FrameCheck(table, start)
-            reply = await (await self._client()).get_object(
-                Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}"
-            )
+            reply = await self._get_range(bucket, key, start, end, table.size)
+            deadline = self._deadline(bucket, key, end - start)
             async with reply["Body"] as body:
                 while following < frames.stop:
                     chunks, wanted = [], table.sizes[following]
                     while wanted:
-                        chunk = await body.read(min(_READ_CHUNK, wanted))
+                        chunk = await deadline.read(body, min(_READ_CHUNK, wanted))
                         if not chunk:
                             break
                         self.stats.bytes_received += len(chunk)
@@ -133,7 +194,79 @@ class Downloads(Requests):
             if following < frames.stop:
                 raise self._truncated(bucket, key, f"before frame {following} was complete")
 
-        await self._retrying("get_object", bucket, key, attempt)
+        await self._retrying("get_object", bucket, key, attempt, progress=lambda: following)
+
+    async def check_size(self, bucket: str, key: str, size: int) -> None:
+        """Raise (code ``SizeMismatch``) unless the object holds ``size`` bytes; one HEAD, for a
+        reader about to allocate what a commit record claims before a GET could refute it."""
+        reply = await self._call("head_object", bucket, key, Key=key)
+        if reply["ContentLength"] != size:
+            raise self._wrong_size(bucket, key, 0, size, size, reply["ContentLength"])
+
+    async def _get_range(
+        self, bucket: str, key: str, start: int, end: int, size: int | None
+    ) -> dict[str, Any]:
+        """GetObject of bytes ``[start, end)``, from an object of ``size`` bytes if known.
+
+        An object shorter than the commit says would answer with fewer bytes than the read's
+        destinations wait for, or 416; a retry cannot make it longer, so either fails at once,
+        before any body is read.
+        """
+        try:
+            reply: dict[str, Any] = await (await self._client()).get_object(
+                Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}"
+            )
+        except botocore.exceptions.ClientError as e:
+            error = e.response.get("Error", {})
+            if error.get("Code") != "InvalidRange":
+                raise
+            actual = _count(error.get("ActualObjectSize"))
+            raise self._wrong_size(bucket, key, start, end, size, actual) from None
+        stored = _count(str(reply.get("ContentRange", "")).rpartition("/")[2])  # a-b/SIZE
+        if reply["ContentLength"] != end - start or (
+            size is not None and stored is not None and stored != size
+        ):
+            await reply["Body"].aclose()
+            raise self._wrong_size(bucket, key, start, end, size, stored)
+        return reply
+
+    def _wrong_size(
+        self, bucket: str, key: str, start: int, end: int, size: int | None, stored: int | None
+    ) -> StorageError:
+        holds = "too few bytes" if stored is None else f"{stored} bytes"
+        recorded = "" if size is None else f" of the {size} the commit recorded"
+        return StorageError(
+            f"get_object s3://{bucket}/{key} at {self.endpoint}: the object holds {holds}, the "
+            f"read wanted bytes {start}-{end - 1}{recorded}; it was truncated or replaced after "
+            "it was written",
+            endpoint=self.endpoint,
+            bucket=bucket,
+            key=key,
+            operation="get_object",
+            code="SizeMismatch",
+            status=None,
+        )
+
+    def _deadline(self, bucket: str, key: str, size: int) -> _Deadline:
+        """``size`` bytes at ``min_read_rate``, plus one ``read_timeout`` of slack: a healthy
+        server may stall that long once (a busy disk, a slow start) and still be on time."""
+        rate, seconds = self.config.min_read_rate, self.config.read_timeout
+        seconds += size / rate
+
+        def too_slow() -> StorageError:
+            return StorageError(
+                f"get_object s3://{bucket}/{key} at {self.endpoint}: the response was slower "
+                f"than min_read_rate ({rate:.0f} bytes/s): {size} bytes not read within "
+                f"{seconds:.1f} s (on a link this slow, lower min_read_rate or max_concurrency)",
+                endpoint=self.endpoint,
+                bucket=bucket,
+                key=key,
+                operation="get_object",
+                code="TooSlow",
+                status=None,
+            )
+
+        return _Deadline(seconds, too_slow)
 
     def _truncated(self, bucket: str, key: str, ended: str) -> StorageError:
         """A response body that ended early: retried like a lost connection."""

@@ -38,6 +38,7 @@ RAW = 0  # stored as it is
 ZSTD = 1  # zstd; with a shuffle, the element size is in the high nibble (0x21, 0x41, 0x81)
 _CODECS = {RAW, ZSTD, 0x21, 0x41, 0x81}
 _ENTRY = struct.Struct("<IIB")  # stored length, CRC32C, codec
+_MAX_FRAME = 2**32 - 1  # the most bytes an entry's stored length can say
 _local = threading.local()
 
 
@@ -179,9 +180,18 @@ class FrameTable:
         return min(self.frame_size, self.raw_size - frame * self.frame_size)
 
     def frames(self, start: int, end: int) -> range:
-        """The frames holding raw bytes ``[start, end)``."""
+        """The frames holding raw bytes ``[start, end)``.
+
+        Raises ValueError for a range that reaches past the last frame: clipped, it would read
+        fewer bytes than its destinations wait for.
+        """
         first = start // self.frame_size
-        last = min(max(first, (end - 1) // self.frame_size), len(self.sizes) - 1)
+        last = max(first, (end - 1) // self.frame_size)
+        if not 0 <= start <= end or last >= len(self.sizes):
+            raise ValueError(
+                f"bytes {start}..{end} are not inside the {len(self.sizes)} frames of "
+                f"{self.frame_size} bytes of this object"
+            )
         return range(first, last + 1)
 
     def covering(self, start: int, end: int) -> tuple[int, int]:
@@ -215,6 +225,9 @@ class FrameTable:
                 raise ValueError(f"{name} must be a non-negative integer, got {number!r}")
         if frame_size == 0:
             raise ValueError("frame_size must be positive")
+        if min(frame_size, raw_size) > _MAX_FRAME:
+            # Frames are decoded whole: a hostile size would be one huge allocation.
+            raise ValueError(f"frame_size {frame_size}: a frame holds at most {_MAX_FRAME} bytes")
         if not isinstance(table, str):
             raise ValueError("table must be a base64 string")
         try:
@@ -234,7 +247,11 @@ class FrameTable:
         if not set(codecs) <= _CODECS:
             raise ValueError("unknown frame codec (written by a newer s3ckpt?)")
         for i, (stored, codec) in enumerate(zip(sizes, codecs, strict=True)):
-            if (codec == RAW and stored != parsed.raw_length(i)) or stored == 0:
+            # `encode` stores a frame raw unless compressing makes it smaller; zstd holds at most
+            # 128 KiB in a block of 4 bytes, and a frame that claims more raw bytes would have a
+            # reader allocate more than any stored frame can deliver.
+            raw = parsed.raw_length(i)
+            if stored == 0 or (stored != raw if codec == RAW else not stored < raw <= stored << 15):
                 raise ValueError(f"frame {i}: {stored} stored bytes do not fit its codec")
         return parsed
 
@@ -256,6 +273,11 @@ class FrameCheck:
         self._table = table
         self._frame = table.starts.index(start)
         self._crc = 0
+
+    @property
+    def object_size(self) -> int:
+        """The stored size of the object, as the commit recorded it."""
+        return self._table.size
 
     def resume_point(self) -> int:
         self._crc = 0

@@ -5,6 +5,9 @@ run code. Writing this one object is what commits a checkpoint, so :func:`encode
 inconsistent (a chunk without a locator, a locator outside its object) rather than commit a record
 that cannot be loaded, and :func:`decode` checks every field so a truncated, garbled or hostile file
 ends in one clear :class:`~s3ckpt.errors.MetadataError` instead of a ``KeyError`` deep inside DCP.
+Both also check the record as a whole, since one that is legal field by field can still load wrong
+data with every checksum passing: a chunk's locator holds exactly its elements' bytes, the chunks of
+a tensor cover it exactly once, and every frame table fits its object.
 
 Layout (the file is compact UTF-8 with sorted keys; spaced out here for reading)::
 
@@ -68,7 +71,15 @@ from .jsoncheck import (
     unique_pairs,
 )
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "Checkpoint", "Locator", "decode", "encode"]
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "Checkpoint",
+    "Locator",
+    "check_record_size",
+    "decode",
+    "encode",
+]
 
 FORMAT = "s3ckpt"
 FORMAT_VERSION = 1
@@ -334,6 +345,8 @@ def _encode_tensor(
     size = _encode_counts(item.size, where, "size")
     chunks: list[dict[str, Any]] = []
     seen: set[tuple[int, ...]] = set()
+    boxes: list[_Box] = []
+    volume = 0
     for position, chunk in enumerate(item.chunks):
         at = f"{where}.chunks[{position}]"
         offsets = _encode_counts(chunk.offsets, at, "offsets")
@@ -342,9 +355,13 @@ def _encode_tensor(
         if tuple(offsets) in seen:
             fail(f"{at}: two chunks start at offsets {offsets}")
         seen.add(tuple(offsets))
-        chunks.append(
-            {"offsets": offsets, "sizes": sizes, "locator": locate(MetadataIndex(fqn, offsets), at)}
-        )
+        locator = locate(MetadataIndex(fqn, offsets), at)
+        count = _check_extent(locator["length"], sizes, props.dtype, at)
+        if count:
+            boxes.append((position, offsets, sizes))
+        volume += count
+        chunks.append({"offsets": offsets, "sizes": sizes, "locator": locator})
+    _check_tiling(size, volume, boxes, where)
     return {
         "type": "tensor",
         "dtype": dtype,
@@ -374,6 +391,85 @@ def _check_chunk(offsets: list[int], sizes: list[int], size: list[int], where: s
         fail(f"{where}: offsets {offsets} and sizes {sizes} do not match tensor size {size}")
     if any(o + s > n for o, s, n in zip(offsets, sizes, size, strict=True)):
         fail(f"{where}: offsets {offsets} + sizes {sizes} exceed tensor size {size}")
+
+
+# A chunk as the tiling check sees it: its position in the record, offsets and sizes.
+_Box = tuple[int, list[int], list[int]]
+# Comparisons the overlap sweep may make: a second of Python (measured), for a layout that no
+# DTensor sharding makes.
+_MAX_COMPARISONS = 1 << 20
+
+
+def _check_extent(length: int, sizes: list[int], dtype: torch.dtype, where: str) -> int:
+    """A chunk's element count, once its locator is found to hold exactly its bytes.
+
+    The reader sizes every read from the sizes and the dtype; a locator of another length would
+    have it read a neighbour's bytes, or another dtype's, with every checksum passing. Packed
+    dtypes (``float4_e2m1fn_x2``) count packed elements, as ``itemsize`` and the writer do.
+    """
+    count = math.prod(sizes)
+    if length != count * dtype.itemsize:
+        fail(
+            f"{where}.locator: {length} bytes, but {count} {dtype} elements (sizes {sizes}) "
+            f"take {count * dtype.itemsize}"
+        )
+    return count
+
+
+def _check_tiling(size: list[int], volume: int, boxes: list[_Box], where: str) -> None:
+    """The chunks of a tensor must cover it exactly once.
+
+    DCP fills a destination from whichever chunks intersect it, so a gap loads as elements never
+    written and an overlap as elements from either chunk. ``boxes`` are the non-empty chunks,
+    which lie inside the tensor (`_check_chunk`) and start at distinct offsets; ``volume`` is
+    their element count. Equal volumes and no overlap make an exact tiling: one chunk needs no
+    more, the chunks of any DTensor sharding form a grid (linear in chunks), and any other
+    layout is swept for overlaps, within `_MAX_COMPARISONS`.
+    """
+    numel = math.prod(size)
+    if volume != numel:
+        how = "leave a gap" if volume < numel else "overlap"
+        fail(f"{where}: its chunks hold {volume} elements, the tensor {numel}: they {how}")
+    if len(boxes) > 1 and not _is_grid(size, boxes):
+        _check_disjoint(boxes, where)
+
+
+def _is_grid(size: list[int], boxes: list[_Box]) -> bool:
+    """Whether, in every dimension, the chunks' extents partition the tensor's.
+
+    Each chunk is then one cell of that grid, and distinct offsets make distinct cells, which
+    cannot overlap.
+    """
+    for dim, extent in enumerate(size):
+        at = 0
+        for start, length in sorted({(offsets[dim], sizes[dim]) for _, offsets, sizes in boxes}):
+            if start != at:
+                return False
+            at += length
+        if at != extent:
+            return False
+    return True
+
+
+def _check_disjoint(boxes: list[_Box], where: str) -> None:
+    """No two chunks overlap: a sweep along the dimension where most chunks start apart compares
+    each chunk with those still open where it starts; a layout needing too many is refused."""
+    dim = max(range(len(boxes[0][1])), key=lambda d: len({b[1][d] for b in boxes}))
+    budget = _MAX_COMPARISONS
+    open_boxes: list[_Box] = []
+    for box in sorted(boxes, key=lambda b: b[1][dim]):
+        position, offsets, sizes = box
+        open_boxes = [b for b in open_boxes if b[1][dim] + b[2][dim] > offsets[dim]]
+        budget -= len(open_boxes) + 1
+        if budget < 0:
+            fail(f"{where}: {len(boxes)} chunks in a layout too irregular to check for overlaps")
+        for other, other_offsets, other_sizes in open_boxes:
+            if all(
+                a < b + m and b < a + n
+                for a, n, b, m in zip(offsets, sizes, other_offsets, other_sizes, strict=True)
+            ):
+                fail(f"{where}: chunks {other} and {position} overlap")
+        open_boxes.append(box)
 
 
 def _encode_storage_meta(meta: StorageMeta | None) -> dict[str, Any] | None:
@@ -435,6 +531,19 @@ def _to_json(value: Any, where: str, *, tag_tuples: bool, depth: int) -> Any:
 # --------------------------------------------------------------------------------------- decode
 
 
+def check_record_size(size: int, limit: int, url: str) -> None:
+    """Refuse a record of ``size`` bytes over ``limit`` (``S3Config.max_record_size``) before it
+    is downloaded: decoding holds several times a record's size, so a huge one, hostile or not,
+    would cost that much memory on every rank that loads it."""
+    if size > limit:
+        raise MetadataError(
+            f"{url}: the commit record is {size} bytes, over the {limit} bytes a reader accepts "
+            f"(S3Config.max_record_size); if the checkpoint is trusted, read it with "
+            f"S3Config(max_record_size={size}) or more",
+            url=url,
+        )
+
+
 def decode(data: bytes, *, url: str) -> Checkpoint:
     """Parse and validate a commit record; any defect is a MetadataError naming ``url`` and why."""
     try:
@@ -462,6 +571,7 @@ def _decode_record(data: bytes) -> Checkpoint:
         root = json.loads(text, object_pairs_hook=unique_pairs, parse_constant=reject_constant)
     except json.JSONDecodeError as exc:
         fail(f"commit record is not valid JSON (truncated or garbled?): {exc}")
+    del text  # the tree is all that is needed now: freed, the text adds nothing to the peak
 
     record = as_dict(root, "commit record")
     fmt = record.get("format")
@@ -509,9 +619,10 @@ def _decode_record(data: bytes) -> Checkpoint:
     raw_sizes = {key: table.raw_size for key, table in frames.items()}
     locators: dict[MetadataIndex, Locator] = {}
     state_dict: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
-    for fqn, entry in as_dict(get_field(record, "state_dict", ""), "state_dict").items():
+    entries = as_dict(get_field(record, "state_dict", ""), "state_dict")
+    for fqn in list(entries):
         where = f"state_dict[{fqn!r}]"
-        entry = as_dict(entry, where)
+        entry = as_dict(entries.pop(fqn), where)  # its tree freed once decoded: a lower peak
         kind = get_field(entry, "type", where)
         if kind == "bytes":
             locators[MetadataIndex(fqn)] = _decode_locator(entry, raw_sizes, where)
@@ -557,6 +668,8 @@ def _decode_tensor(
     )
     size = as_counts(get_field(entry, "size", where), where, "size")
     chunks: list[ChunkStorageMetadata] = []
+    boxes: list[_Box] = []
+    volume = 0
     for position, chunk in enumerate(as_list(get_field(entry, "chunks", where), where, "chunks")):
         at = f"{where}.chunks[{position}]"
         chunk = as_dict(chunk, at)
@@ -566,8 +679,13 @@ def _decode_tensor(
         index = MetadataIndex(fqn, offsets, position)
         if index in locators:
             fail(f"{at}: two chunks start at offsets {offsets}")
-        locators[index] = _decode_locator(chunk, objects, at)
+        locator = locators[index] = _decode_locator(chunk, objects, at)
+        count = _check_extent(locator.length, sizes, properties.dtype, at)
+        if count:
+            boxes.append((position, offsets, sizes))
+        volume += count
         chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
+    _check_tiling(size, volume, boxes, where)
     return TensorStorageMetadata(properties=properties, size=torch.Size(size), chunks=chunks)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 from collections.abc import Awaitable, Callable, Iterable
@@ -19,7 +20,7 @@ from typing import Any, TypeVar
 from .client import ClientHolder, map_error
 from .config import ResolvedConfig
 from .errors import AccessDenied, BucketNotFound, ObjectNotFound, StorageError
-from .retry import RetryPolicy
+from .retry import RetryPolicy, is_repeat_limited, is_transient
 
 __all__ = ["Requests", "TransferStats"]
 
@@ -49,6 +50,7 @@ class Requests:
         self._clients = [ClientHolder(resolved, url) for url in resolved.endpoint_urls or [None]]
         self._turn = itertools.count()
         self._slots: asyncio.Semaphore | None = None
+        self._down_until = 0.0  # loop time until which the store counts as down (`_retrying`)
 
     @property
     def endpoint(self) -> str:
@@ -66,16 +68,18 @@ class Requests:
         key: str | None,
         *,
         retry: RetryPolicy | None = None,
+        on_failure: Callable[[StorageError], None] | None = None,
         **params: Any,
     ) -> Any:
-        """One S3 operation, retried as `s3ckpt.retry` says (or as ``retry`` says)."""
+        """One S3 operation, retried as `s3ckpt.retry` says (or as ``retry`` says);
+        ``on_failure`` sees every failed attempt (the commit asks whether any may have landed)."""
         policy = retry or self.retry
 
         async def attempt() -> Any:
             client = await self._client()
             return await getattr(client, operation)(Bucket=bucket, **params)
 
-        return await self._retrying(operation, bucket, key, attempt, policy)
+        return await self._retrying(operation, bucket, key, attempt, policy, on_failure=on_failure)
 
     async def _client(self) -> Any:
         """The next endpoint's client: requests (and retries) rotate over all endpoints."""
@@ -88,26 +92,65 @@ class Requests:
         key: str | None,
         attempt: Callable[[], Awaitable[T]],
         policy: RetryPolicy | None = None,
+        progress: Callable[[], int] | None = None,
+        on_failure: Callable[[StorageError], None] | None = None,
     ) -> T:
+        """Run ``attempt`` until it succeeds or ``policy`` gives up. ``progress`` is a resumable
+        read's position: an attempt that moved it restarts the window, the backoff and the count
+        (not the repeats: a persistent trickle must still fail), since what is left is in effect
+        a new, smaller request.
+
+        A request that failed transiently until its window closed found the store down: for the
+        next window, until a request succeeds, requests get a single attempt, so that the
+        cleanup of a failed save (aborts, deletes) and a save tried again at once fail fast
+        instead of waiting out one more window each. Giving up on ``max_attempts`` (a cap the
+        caller chose, such as a single attempt) says nothing about the store.
+        """
         policy = policy or self.retry
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        for number in itertools.count(1):
+        clock = asyncio.get_running_loop().time
+        known_down = clock() < self._down_until
+        if known_down:
+            policy = dataclasses.replace(policy, max_attempts=1)
+        started, number, repeats = clock(), 0, 0
+        while True:
+            number += 1
+            reached = progress() if progress is not None else 0
             self.stats.requests += 1
             try:
-                return await attempt()
+                result = await attempt()
             except Exception as e:
                 self.stats.failed_requests += 1
                 error = map_error(
                     e, endpoint=self.endpoint, bucket=bucket, key=key, operation=operation
                 )
-                if not policy.should_retry(error, number, loop.time() - started):
+                if on_failure is not None:
+                    on_failure(error)
+                if progress is not None and progress() != reached:
+                    started, number = clock(), 1
+                repeats += is_repeat_limited(error)
+                elapsed = clock() - started
+                if not policy.should_retry(error, number, elapsed, repeats):
+                    # Not for a damaged or slow answer: the store is up.
+                    down = is_transient(error) and not is_repeat_limited(error)
+                    if down and not known_down and policy.window_closed(elapsed):
+                        self._down_until = clock() + policy.deadline
                     raise error from e
-                delay = policy.delay(number)
-                log.warning("%s; attempt %d failed, retrying in %.2f s", error, number, delay)
+                delay = policy.delay(number, elapsed)
+                # A window holds tens of attempts: the first failure says at WARNING that (and for
+                # how long) s3ckpt keeps trying; the rest go to INFO, not to bury other output.
+                log.log(
+                    logging.WARNING if number == 1 else logging.INFO,
+                    "%s; attempt %d failed, retrying in %.2f s (for up to %g s)",
+                    error,
+                    number,
+                    delay,
+                    policy.deadline,
+                )
                 self.stats.retries += 1
                 await asyncio.sleep(delay)
-        raise AssertionError("unreachable")
+            else:
+                self._down_until = 0.0
+                return result
 
     def slot(self) -> asyncio.Semaphore:
         """One of the ``max_concurrency`` request slots; hold it around `get_scattered`."""

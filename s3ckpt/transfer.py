@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import math
 import os
-from collections.abc import AsyncIterator, Awaitable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, Protocol, TypeVar
 
 from . import wire
@@ -69,15 +69,28 @@ class Transfer(Downloads):
         *,
         if_none_match: bool = False,
         digest: dict[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
+        on_failure: Callable[[StorageError], None] | None = None,
     ) -> None:
         """One PutObject; ``if_none_match`` makes it fail (PreconditionFailed) if the key exists.
 
-        ``digest`` carries the body's wire checksum; computed here when not given.
+        ``digest`` carries the body's wire checksum; computed here when not given. ``retry`` and
+        ``on_failure`` as for `Requests._call`.
         """
         if digest is None:
             digest = wire.digest(body, await self.wire_mode(bucket, key))
         extra = {"IfNoneMatch": "*"} if if_none_match else {}
-        await self._call("put_object", bucket, key, Key=key, Body=body, **digest, **extra)
+        await self._call(
+            "put_object",
+            bucket,
+            key,
+            retry=retry,
+            on_failure=on_failure,
+            Key=key,
+            Body=body,
+            **digest,
+            **extra,
+        )
         self.stats.bytes_sent += len(body)
 
     async def wire_mode(self, bucket: str, key: str) -> str:

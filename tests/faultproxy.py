@@ -1,8 +1,9 @@
 """A fault-injecting reverse proxy in front of a real S3 server, optionally terminating TLS.
 
-Faults injected at the HTTP/TCP level (S3 errors, resets, truncated or corrupted bodies, stalls)
-exercise the whole client stack — aiohttp, aiobotocore's retries, s3ckpt's error mapping — the way
-a flaky network or an overloaded store does, which mocking botocore cannot.
+Faults injected at the HTTP/TCP level (S3 errors, resets, truncated, corrupted or trickling
+bodies, stalls; for a number of requests or for a time window) exercise the whole client stack —
+aiohttp, aiobotocore's retries, s3ckpt's error mapping — the way a flaky network or an overloaded
+store does, which mocking botocore cannot.
 
 Requests are forwarded byte for byte apart from ``Expect: 100-continue``, which the proxy answers
 itself (SigV4 does not sign it); the Host header is kept as the client sent it, so signatures
@@ -13,6 +14,7 @@ connection, kept alive as long as both sides allow; bodies are streamed, never h
         rule = proxy.add_rule(Status(503, "SlowDown"), op="UploadPart", times=2)
         ...  # a client with endpoint_url=proxy.endpoint_url
         assert rule.fired == 2
+        proxy.add_rule(Status(503, "SlowDown"), for_seconds=5)  # a brownout: 5 s, then healthy
 
 Limits: operations are inferred from path-style requests only (all a 127.0.0.1 endpoint gets);
 the upstream must be plain HTTP; a response-body fault on a response without a body (HEAD, most
@@ -36,6 +38,7 @@ import ssl
 import struct
 import tempfile
 import threading
+import time
 import uuid
 from collections import Counter
 from collections.abc import Iterable
@@ -63,6 +66,7 @@ __all__ = [
     "ResetMidBody",
     "Rule",
     "Status",
+    "Trickle",
     "Truncate",
     "classify",
     "make_tls_files",
@@ -71,6 +75,7 @@ __all__ = [
 _PIECE = 1024 * 1024  # bytes moved per read: big enough for tens of MiB, small enough to stream
 _HEAD_LIMIT = 256 * 1024  # longest request/response head accepted
 _STOP_TIMEOUT_S = 10.0
+_TICK_S = 0.05  # a trickle sends a piece this often, so no read on the client side waits long
 
 
 # --- actions -------------------------------------------------------------------------------------
@@ -135,12 +140,26 @@ class Corrupt:
     where: Literal["request", "response"] = "request"
 
 
-Action = Status | ResetBefore | ResetAfter | ResetMidBody | Truncate | Delay | Corrupt
+@dataclass(frozen=True)
+class Trickle:
+    """Forward, then relay the response body at ``rate`` bytes/s in small pieces sent every few
+    tens of milliseconds: each read on the client gets bytes soon, so no read timeout fires, but
+    the whole body takes ``size / rate`` seconds (a failing disk or a congested path)."""
+
+    rate: float
+
+    def __post_init__(self) -> None:
+        if self.rate <= 0:
+            raise ValueError(f"rate must be > 0 bytes/s, got {self.rate}")
+
+
+Action = Status | ResetBefore | ResetAfter | ResetMidBody | Truncate | Delay | Corrupt | Trickle
 
 
 @dataclass
 class Rule:
-    """When to inject ``action``; ``matched`` and ``fired`` count what it saw and did."""
+    """When to inject ``action``; ``matched`` and ``fired`` count what it saw and did.
+    ``until``: the `time.monotonic` time after which it no longer fires (None: never expires)."""
 
     action: Action
     ops: frozenset[str] | None
@@ -148,6 +167,7 @@ class Rule:
     probability: float
     times: int | None
     after: int
+    until: float | None = None
     matched: int = 0
     fired: int = 0
 
@@ -277,10 +297,17 @@ def _framing(head: _Head, *, response: bool) -> _Framing:
 
 class _Splice:
     """Where a fault hits a body: the byte at ``fraction`` of its length (of its first chunk when
-    the length is unknown) is flipped, or the body is cut there."""
+    the length is unknown) is flipped, or the body is cut there; ``rate`` (bytes/s) slows it."""
 
-    def __init__(self, *, flip: bool = False, cut: bool = False, fraction: float = 0.5) -> None:
-        self.flip, self.cut, self.fraction = flip, cut, fraction
+    def __init__(
+        self,
+        *,
+        flip: bool = False,
+        cut: bool = False,
+        fraction: float = 0.5,
+        rate: float | None = None,
+    ) -> None:
+        self.flip, self.cut, self.fraction, self.rate = flip, cut, fraction, rate
         self.offset = 0
         self.mark: int | None = None
         self.done = False
@@ -298,6 +325,21 @@ class _Splice:
             return piece[:at] + bytes([piece[at] ^ 0xFF]) + piece[at + 1 :]
         return piece
 
+    async def send(self, dst: asyncio.StreamWriter, data: bytes) -> None:
+        """Write ``data`` to ``dst``: at once, or at ``rate`` in pieces of one tick."""
+        if self.rate is None:
+            dst.write(data)
+            await dst.drain()
+            return
+        step = max(1, int(self.rate * _TICK_S))
+        for at in range(0, len(data), step):
+            if dst.is_closing():  # the client gave up: stop dripping into a closed connection
+                raise ConnectionResetError("the client closed the connection mid-trickle")
+            piece = data[at : at + step]
+            dst.write(piece)
+            await dst.drain()
+            await asyncio.sleep(len(piece) / self.rate)
+
 
 async def _copy(
     src: asyncio.StreamReader,
@@ -313,8 +355,7 @@ async def _copy(
         data = splice.feed(piece, size)
         size -= len(piece)
         if dst is not None:
-            dst.write(data)
-            await dst.drain()
+            await splice.send(dst, data)
 
 
 async def _relay_body(
@@ -331,8 +372,7 @@ async def _relay_body(
         while not splice.done and (piece := await src.read(_PIECE)):
             data = splice.feed(piece, len(piece))
             if dst is not None:
-                dst.write(data)
-                await dst.drain()
+                await splice.send(dst, data)
     else:
         while not splice.done:
             line = await src.readuntil(b"\r\n")
@@ -590,20 +630,25 @@ class FaultProxy:
         probability: float = 1.0,
         times: int | None = None,
         after: int = 0,
+        for_seconds: float | None = None,
     ) -> Rule:
         """Inject ``action`` into requests for ``op`` (one or several operation names, see
         `classify`) whose object key contains ``key``; None matches any.
 
         Of the matching requests the first ``after`` pass untouched; then each is hit with
-        ``probability`` until the rule has fired ``times`` times (never stops when None). Rules
-        are tried in the order added; the first that fires decides.
+        ``probability`` until the rule has fired ``times`` times (never stops when None) or
+        ``for_seconds`` have passed since it was added (an outage that ends). Rules are tried
+        in the order added; the first that fires decides.
         """
         if not 0.0 <= probability <= 1.0:
             raise ValueError(f"probability must be in [0, 1], got {probability}")
+        if for_seconds is not None and for_seconds < 0:
+            raise ValueError(f"for_seconds must be >= 0, got {for_seconds}")
         ops = frozenset([op] if isinstance(op, str) else op) if op is not None else None
         if ops is not None and not ops <= OPERATIONS:  # a typo would silently never fire
             raise ValueError(f"unknown operations {sorted(ops - OPERATIONS)}; see OPERATIONS")
-        rule = Rule(action, ops, key, probability, times, after)
+        until = None if for_seconds is None else time.monotonic() + for_seconds
+        rule = Rule(action, ops, key, probability, times, after, until)
         with self._lock:
             self._rules.append(rule)
         return rule
@@ -615,6 +660,13 @@ class FaultProxy:
     def clear_rules(self) -> None:
         with self._lock:
             self._rules.clear()
+
+    def retarget(self, upstream_url: str) -> None:
+        """Forward new connections to ``upstream_url`` (a restarted server on a new port);
+        connections to the old one break as the old server's would."""
+        upstream = urlsplit(upstream_url)
+        with self._lock:
+            self._upstream = (upstream.hostname, upstream.port)
 
     @property
     def requests(self) -> Counter[str]:
@@ -635,8 +687,10 @@ class FaultProxy:
                 if not rule.matches(op, key):
                     continue
                 rule.matched += 1
-                if rule.matched <= rule.after or (
-                    rule.times is not None and rule.fired >= rule.times
+                if (
+                    rule.matched <= rule.after
+                    or (rule.times is not None and rule.fired >= rule.times)
+                    or (rule.until is not None and time.monotonic() >= rule.until)
                 ):
                     continue
                 if rule.probability < 1.0 and self._rng.random() >= rule.probability:
@@ -744,7 +798,8 @@ class FaultProxy:
                 writer.close()
             return False
         flip = isinstance(action, Corrupt) and action.where == "response"
-        await _relay_body(up_reader, writer, answer, _Splice(flip=flip))
+        rate = action.rate if isinstance(action, Trickle) else None
+        await _relay_body(up_reader, writer, answer, _Splice(flip=flip, rate=rate))
         await writer.drain()
         reusable = response.keeps_alive(resp_version) and answer.kind != "eof"
         if not reusable:

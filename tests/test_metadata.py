@@ -227,8 +227,10 @@ def test_every_standard_dtype_round_trips(dtype: torch.dtype) -> None:
     props = TensorProperties(dtype=dtype, requires_grad=True, memory_format=torch.channels_last)
     chunk = ChunkStorageMetadata(torch.Size([0, 0, 0, 0]), torch.Size([1, 2, 2, 2]))
     metadata = Metadata({"t": TensorStorageMetadata(props, torch.Size([1, 2, 2, 2]), [chunk])})
-    locators = {MetadataIndex("t", chunk.offsets): Locator("o", 0, 8)}
-    ckpt = decode(encode(metadata, locators, save_id="s", created=1, objects={"o": 8}), url=URL)
+    length = 8 * dtype.itemsize
+    locators = {MetadataIndex("t", chunk.offsets): Locator("o", 0, length)}
+    objects = {"o": length}
+    ckpt = decode(encode(metadata, locators, save_id="s", created=1, objects=objects), url=URL)
     assert ckpt.metadata.state_dict_metadata == metadata.state_dict_metadata
 
 
@@ -626,7 +628,8 @@ def test_encode_rejects_unsupported_dtype() -> None:
 
 
 class _MemoryWriter(StorageWriter):
-    """Writes every item into one in-memory object and commits with :func:`encode`."""
+    """Writes every item into one in-memory object, tensors as their raw row-major bytes (what
+    the record says a chunk's locator holds), and commits with :func:`encode`."""
 
     def __init__(self, store: dict[str, bytes]) -> None:
         self.store = store
@@ -649,9 +652,7 @@ class _MemoryWriter(StorageWriter):
         for item in plan.items:
             data = planner.resolve_data(item)
             if isinstance(data, torch.Tensor):
-                buffer = io.BytesIO()
-                torch.save(data.detach().clone(), buffer)
-                payload = buffer.getvalue()
+                payload = data.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
             else:
                 assert item.type == WriteItemType.BYTE_IO and isinstance(data, io.BytesIO)
                 payload = data.getvalue()
@@ -680,6 +681,7 @@ class _MemoryReader(StorageReader):
 
     def __init__(self, store: dict[str, bytes]) -> None:
         self.store = store
+        self.metadata = Metadata({})
         self.locators: dict[MetadataIndex, Locator] = {}
 
     def reset(self, checkpoint_id: Any = None) -> None:
@@ -689,6 +691,7 @@ class _MemoryReader(StorageReader):
         return decode(self.store[".metadata"], url="mem://.metadata").metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, **kw: Any) -> None:
+        self.metadata = metadata
         self.locators = metadata.storage_data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -704,7 +707,11 @@ class _MemoryReader(StorageReader):
             if item.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(item, io.BytesIO(payload))
                 continue
-            tensor = torch.load(io.BytesIO(payload), weights_only=True)
+            entry = self.metadata.state_dict_metadata[item.storage_index.fqn]
+            assert isinstance(entry, TensorStorageMetadata)
+            chunk = next(c for c in entry.chunks if c.offsets == item.storage_index.offset)
+            flat = torch.frombuffer(bytearray(payload), dtype=entry.properties.dtype)
+            tensor = flat.reshape(chunk.sizes)
             for dim, (start, length) in enumerate(
                 zip(item.storage_offsets, item.lengths, strict=True)
             ):

@@ -55,6 +55,14 @@ def _add_connection_options(parser: argparse.ArgumentParser, default: Any) -> No
     group.add_argument(
         "--max-concurrency", type=int, metavar="N", help="requests in flight (default 16)", **unset
     )
+    group.add_argument(
+        "--retry-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="how long to retry a store that fails transiently (default 60; the first retry "
+        "is reported on stderr)",
+        **unset,
+    )
     flag: dict[str, Any] = {"action": "store_true", "default": default is not None and default}
     group.add_argument("--no-verify-ssl", help="do not verify TLS certificates", **flag)
     group.add_argument("--json", help="print results as JSON", **flag)
@@ -82,6 +90,8 @@ def _config(args: argparse.Namespace) -> S3Config:
         tuning["part_size"] = tuning["multipart_threshold"] = args.part_size * MiB
     if args.max_concurrency is not None:
         tuning["max_concurrency"] = args.max_concurrency
+    if args.retry_timeout is not None:
+        tuning["retry_timeout"] = args.retry_timeout
     return S3Config(
         endpoint_url=args.endpoint_url,
         region=args.region,
