@@ -11,7 +11,9 @@ from .errors import (
     CheckpointError,
     CheckpointExists,
     CheckpointNotFound,
+    CheckpointReplaced,
     ChecksumMismatch,
+    CommitOutcomeUnknown,
     ConfigError,
     EndpointUnreachable,
     IncompleteCheckpoint,
@@ -20,6 +22,7 @@ from .errors import (
     PreconditionFailed,
     S3CkptError,
     StorageError,
+    UnsafeCheckpoint,
 )
 from .reader import S3Reader
 from .writer import S3Writer
@@ -30,7 +33,9 @@ __all__ = [
     "CheckpointError",
     "CheckpointExists",
     "CheckpointNotFound",
+    "CheckpointReplaced",
     "ChecksumMismatch",
+    "CommitOutcomeUnknown",
     "ConfigError",
     "EndpointUnreachable",
     "IncompleteCheckpoint",
@@ -42,6 +47,7 @@ __all__ = [
     "S3Reader",
     "S3Writer",
     "StorageError",
+    "UnsafeCheckpoint",
 ]
 
 __version__ = "0.1.0"

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
@@ -17,7 +18,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from . import bridge, scan
 from .config import S3Config
-from .errors import CheckpointNotFound, IncompleteCheckpoint
+from .errors import CheckpointNotFound, IncompleteCheckpoint, S3CkptError
 from .layout import Location
 from .metadata import Checkpoint
 from .reader import S3Reader
@@ -59,20 +60,33 @@ def describe(url: str, config: S3Config | None = None) -> tuple[CheckpointInfo, 
 
 
 def read_state(
-    url: str, config: S3Config | None = None, *, progress: Progress | None = None
+    url: str,
+    config: S3Config | None = None,
+    *,
+    progress: Progress | None = None,
+    trust_pickles: bool = False,
 ) -> dict[str, Any]:
     """The whole state dict of the committed checkpoint at ``url``, nested as it was saved, with
     CPU tensors rebuilt from the metadata: no model is needed to export or compare checkpoints.
-    It is all in memory at once. ``progress(done, total)`` counts tensor bytes as they arrive."""
+    It is all in memory at once. ``progress(done, total)`` counts tensor bytes as they arrive.
+    ``trust_pickles`` is `S3Reader`'s: without it a non-tensor value that could run code when
+    unpickled raises `UnsafeCheckpoint`."""
     describe(url, config)  # the typed error, which DCP would turn into an AssertionError
     state: dict[str, Any] = {}
     # What DCP's own format_utils.dcp_to_torch_save does, with S3Reader for FileSystemReader.
-    _load_state_dict(
-        state,
-        storage_reader=S3Reader(url, config=config),
-        planner=_CountingPlanner(progress),
-        no_dist=True,
-    )
+    try:
+        _load_state_dict(
+            state,
+            storage_reader=S3Reader(url, config=config, trust_pickles=trust_pickles),
+            planner=_CountingPlanner(progress),
+            no_dist=True,
+        )
+    except CheckpointException as e:
+        # DCP wraps what the reader raised; unwrapped, callers (the CLI) see s3ckpt's own error.
+        errors = [error for error, _ in e.failures.values() if isinstance(error, S3CkptError)]
+        if not errors:
+            raise
+        raise errors[0] from None
     return state
 
 
@@ -116,7 +130,7 @@ async def _latest(transfer: Transfer, location: Location) -> CheckpointInfo | No
     for candidate in (await scan.candidates(transfer, location))[0]:
         by_step.setdefault(scan.step_of(candidate), []).append(candidate)
     for step in sorted(by_step, key=lambda s: (s is not None, s or 0), reverse=True):
-        found = await scan.run_all(lambda c: scan.committed(transfer, c), by_step[step], transfer)
+        found = await scan.run_all(lambda c: scan.readable(transfer, c), by_step[step], transfer)
         committed = [f.info for f in found if f is not None]
         if committed:
             return max(committed, key=scan.newness)

@@ -15,7 +15,10 @@ why. All of them pickle, because DCP ships a failing rank's exception to the coo
     └── CheckpointError           the checkpoint itself is wrong
         ├── CheckpointNotFound    nothing at all under the prefix
         ├── IncompleteCheckpoint  objects but no committed ``.metadata``
+        ├── CheckpointReplaced    a load met objects deleted by a save that replaced the record
+        ├── CommitOutcomeUnknown  every answer to the commit was lost: it may or may not exist
         ├── CheckpointExists      saving over a committed checkpoint without ``overwrite=True``
+        ├── UnsafeCheckpoint      a non-tensor value would run code when unpickled
         └── MetadataError         ``.metadata`` is truncated, garbled or from a newer format
 """
 
@@ -29,7 +32,9 @@ __all__ = [
     "CheckpointError",
     "CheckpointExists",
     "CheckpointNotFound",
+    "CheckpointReplaced",
     "ChecksumMismatch",
+    "CommitOutcomeUnknown",
     "ConfigError",
     "EndpointUnreachable",
     "IncompleteCheckpoint",
@@ -38,6 +43,7 @@ __all__ = [
     "PreconditionFailed",
     "S3CkptError",
     "StorageError",
+    "UnsafeCheckpoint",
 ]
 
 
@@ -117,8 +123,28 @@ class IncompleteCheckpoint(CheckpointError):
     """Objects exist under the prefix but no ``.metadata``: a save failed or is still running."""
 
 
+class CheckpointReplaced(CheckpointError):
+    """The record at the prefix changed while a load read it: an ``overwrite=True`` save (or a
+    removal) deleted the objects the load had planned. Attributes ``save_id`` (what the load
+    began on) and ``new_save_id`` (what the prefix holds now; ``None`` if nothing). Loading again
+    reads the new record."""
+
+
+class CommitOutcomeUnknown(CheckpointError):
+    """The commit PUT may have been applied, but no answer says so and the record could not be
+    read back. Nothing was deleted. Attribute ``save_id``: if ``s3ckpt info`` shows it at
+    ``url``, the save committed; otherwise its objects are garbage for ``s3ckpt gc``."""
+
+
 class CheckpointExists(CheckpointError):
     """A committed checkpoint is already at the prefix and ``overwrite`` is off."""
+
+
+class UnsafeCheckpoint(CheckpointError):
+    """A non-tensor value is a pickle that torch's ``weights_only`` unpickler refuses: loading it
+    could run code that whoever wrote the bucket chose. Attributes ``fqn`` (the value), ``bucket``
+    and ``key`` (the object holding it) and ``cause`` (what the check refused). Raised unless the
+    reader was given ``trust_pickles=True``."""
 
 
 class MetadataError(CheckpointError):

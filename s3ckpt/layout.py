@@ -3,7 +3,9 @@
 A checkpoint at ``prefix`` is the commit record ``prefix/.metadata`` plus data objects
 ``prefix/data-<save_id>/<rank>-<n>``. Every save draws a fresh ``save_id``, so a save never writes
 an object that a committed checkpoint references: replacing a checkpoint is one PUT of
-``.metadata``, and a save that dies leaves only objects that no ``.metadata`` names.
+``.metadata``, and a save that dies leaves only objects that no ``.metadata`` names. While a save
+runs, its lease ``prefix/data-<save_id>/.lease`` is rewritten every ``LEASE_TTL / 4`` seconds;
+removals leave a save alone while its lease is younger than ``LEASE_TTL`` (see `s3ckpt.commit`).
 """
 
 from __future__ import annotations
@@ -18,9 +20,12 @@ from dataclasses import dataclass
 from .config import parse_s3_url
 
 __all__ = [
+    "LEASE_NAME",
+    "LEASE_TTL",
     "METADATA_NAME",
     "Location",
     "data_key",
+    "lease_key",
     "new_save_id",
     "pack",
     "rank_of",
@@ -28,6 +33,10 @@ __all__ = [
 ]
 
 METADATA_NAME = ".metadata"
+LEASE_NAME = ".lease"
+# Seconds a lease protects its save after its last refresh, by the server's clock. Part of the
+# on-store protocol: writers refresh four times within it, removals read it.
+LEASE_TTL = 60.0
 
 
 @dataclass(frozen=True)
@@ -90,6 +99,12 @@ def data_key(save_id: str, rank: int, index: int, spread: int = 0, nonce: str = 
     if spread:
         name = f"{hashlib.blake2b(name.encode(), digest_size=8).hexdigest()[:spread]}/{name}"
     return f"data-{save_id}/{name}"
+
+
+def lease_key(save_id: str) -> str:
+    """Key of a running save's lease, relative to the checkpoint prefix: inside the save's
+    ``data-<save_id>/`` so that listings group it with the save's objects."""
+    return f"data-{save_id}/{LEASE_NAME}"
 
 
 _DATA_KEY = re.compile(r"data-[^/]+/(?:[0-9a-f]+/)?(\d+)-\d+(?:-[0-9a-f]+)?")

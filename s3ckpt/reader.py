@@ -27,15 +27,19 @@ from . import frames as frames_codec
 from .buffers import Scatter
 from .config import MiB, S3Config
 from .errors import (
+    CheckpointError,
     CheckpointNotFound,
+    CheckpointReplaced,
     IncompleteCheckpoint,
     MetadataError,
     ObjectNotFound,
+    S3CkptError,
     StorageError,
+    UnsafeCheckpoint,
 )
 from .frames import FrameCheck, FrameTable
 from .layout import Location
-from .metadata import Checkpoint, Locator, decode
+from .metadata import Checkpoint, Locator, check_record_size, decode
 from .readplan import Fetch, Target, destinations, plan_fetches
 from .tensorbytes import memory_of
 from .transfer import Transfer, gather_or_cancel, get_transfer
@@ -51,6 +55,12 @@ class S3Reader(StorageReader):
         prefix: key prefix of the checkpoint; ``checkpoint_id`` overrides it.
         config: connection settings; default `S3Config()` reads the standard AWS sources.
         max_gap: ranges in one object closer than this are fetched with one GET.
+        trust_pickles: unpickle non-tensor values without checking them first. DCP stores them
+            as pickles and its planners unpickle with ``weights_only=False``, so a value saved
+            by someone else can run any code on load. By default each is first unpickled with
+            torch's ``weights_only`` unpickler (plain containers, numbers, strings, tensors and
+            types registered with ``torch.serialization.add_safe_globals`` pass) and anything it
+            refuses raises `UnsafeCheckpoint`. Set it only for checkpoints whose writers you trust.
     """
 
     def __init__(
@@ -60,11 +70,13 @@ class S3Reader(StorageReader):
         *,
         config: S3Config | None = None,
         max_gap: int = 1 * MiB,
+        trust_pickles: bool = False,
     ) -> None:
         super().__init__()
         self.location = Location.of(bucket, prefix)
         self.config = config or S3Config()
         self.max_gap = max_gap
+        self.trust_pickles = trust_pickles
         self.checkpoint: Checkpoint | None = None
         self._chunks: dict[MetadataIndex, tuple[Locator, tuple[int, ...], torch.dtype]] = {}
         self._locators: dict[MetadataIndex, Locator] = {}
@@ -134,7 +146,39 @@ class S3Reader(StorageReader):
         fetches = plan_fetches(
             targets, max_gap=self.max_gap, max_size=self.config.part_size, align=frames
         )
-        return bridge.to_torch_future(bridge.submit(self._fetch_all(fetches, remaining, finishers)))
+        return bridge.to_torch_future(bridge.submit(self._read_all(fetches, remaining, finishers)))
+
+    async def _read_all(
+        self,
+        fetches: list[Fetch],
+        remaining: dict[int, int],
+        finishers: dict[int, Callable[[], None]],
+    ) -> None:
+        try:
+            await self._check_sizes(fetches)
+            await self._fetch_all(fetches, remaining, finishers)
+        except ObjectNotFound as e:
+            raise await self._replaced(e) from e
+
+    async def _check_sizes(self, fetches: list[Fetch]) -> None:
+        """HEAD the objects of fetches that buffer more than ``part_size``, to see that they are
+        as large as the record says.
+
+        A fetch's buffers are allocated before its GET, which is what shows an object shorter
+        than the record claims; only a non-tensor value can need more than ``part_size`` (tensor
+        reads are split to fit), so that is the rare fetch a tiny hostile record could otherwise
+        turn into an allocation of whatever it claims.
+        """
+        sizes = {self.location.key(key): table.size for key, table in self._frames.items()}
+        large = {
+            fetch.key
+            for fetch in fetches
+            if sum(t.end - t.start for t in fetch.targets if t.sink is None) > self.config.part_size
+        }
+        transfer, bucket = self._transfer, self.location.bucket
+        await gather_or_cancel(
+            transfer.check_size(bucket, key, sizes[key]) for key in sorted(large)
+        )
 
     @property
     def _transfer(self) -> Transfer:
@@ -152,7 +196,10 @@ class S3Reader(StorageReader):
             key = self.location.key(locator.key)
 
             def load(data: memoryview) -> None:
-                planner.load_bytes(item, io.BytesIO(bytes(data)))
+                raw = bytes(data)
+                if not self.trust_pickles:
+                    self._check_pickle(item.storage_index.fqn, key, raw)
+                planner.load_bytes(item, io.BytesIO(raw))
 
             if locator.length == 0:
                 return [], lambda: load(memoryview(b""))
@@ -200,6 +247,32 @@ class S3Reader(StorageReader):
             targets.append(Target(number, key, base + start, base + end, place=place))
         return targets, finish
 
+    def _check_pickle(self, fqn: str, key: str, raw: bytes) -> None:
+        """Raise `UnsafeCheckpoint` unless torch's ``weights_only`` unpickler accepts ``raw``.
+
+        That unpickler resolves only allowlisted globals and calls nothing else, so the check runs
+        no code the checkpoint chose. The planner then unpickles the same bytes again, fully: DCP
+        hands it bytes, not objects, so the checked value cannot be passed on. That second pass
+        meets only the globals the check allowed, and costs little: tensors are stored raw, only
+        non-tensor values (small) come here.
+        """
+        try:
+            torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+        except Exception as e:  # UnpicklingError, or whatever else the stream makes it raise
+            bucket, cause = self.location.bucket, _refusal(e)
+            raise UnsafeCheckpoint(
+                f"{self.checkpoint_id}: refused to unpickle {fqn} (in s3://{bucket}/{key}): "
+                f"{cause}. Unpickling it could run code chosen by whoever wrote the checkpoint. "
+                "If you trust them, load with S3Reader(..., trust_pickles=True) (s3ckpt export "
+                "--trust-pickles); if it is a type of yours, allowlist it with "
+                "torch.serialization.add_safe_globals instead",
+                url=self.checkpoint_id,
+                fqn=fqn,
+                bucket=bucket,
+                key=key,
+                cause=cause,
+            ) from None
+
     async def _fetch_all(
         self,
         fetches: list[Fetch],
@@ -231,6 +304,37 @@ class S3Reader(StorageReader):
                     finishers[target.item]()
 
         await gather_or_cancel(one(fetch) for fetch in fetches)
+
+    async def _replaced(self, missing: ObjectNotFound) -> S3CkptError:
+        """`CheckpointReplaced` if the record changed since the load began, else ``missing``."""
+        began = None if self.checkpoint is None else self.checkpoint.save_id
+        location = self.location
+        try:
+            now: str | None = (await read_checkpoint(self._transfer, location)).save_id
+        except CheckpointError:  # none there now, or one that cannot be read
+            now = None
+        except S3CkptError:
+            return missing
+        if now == began:
+            return missing
+        return CheckpointReplaced(
+            f"{location.url} was replaced while it loaded: the load began on save {began}, the "
+            f"prefix now holds {'save ' + now if now else 'no checkpoint'} "
+            f"(s3://{location.bucket}/{getattr(missing, 'key', None)} is gone); load again",
+            url=location.url,
+            save_id=began,
+            new_save_id=now,
+        )
+
+
+def _refusal(error: Exception) -> str:
+    """What the ``weights_only`` check refused, without torch's advice about ``torch.load``
+    (which does not apply to a DCP load); its whole first line if the text is not torch's."""
+    text = str(error)
+    _, marker, detail = text.partition("WeightsUnpickler error:")
+    paragraphs = [p.strip() for p in detail.split("\n\n") if p.strip()] if marker else []
+    reason = paragraphs[0].split(". ", 1)[0] if paragraphs else text.strip().split("\n", 1)[0]
+    return f"{type(error).__name__}: {reason}"
 
 
 def _place_all(buffered: list[tuple[Target, memoryview]]) -> None:
@@ -275,9 +379,12 @@ async def _fetch_compressed(
 
 async def read_checkpoint(transfer: Transfer, location: Location) -> Checkpoint:
     """The commit record at ``location``, or an error that says why there is none."""
-    bucket, listing = location.bucket, location.listing_prefix
+    bucket, listing, url = location.bucket, location.listing_prefix, location.metadata_url
+    limit = transfer.config.max_record_size
     try:
-        raw = await transfer.get(bucket, location.metadata_key)
+        raw = await transfer.get(
+            bucket, location.metadata_key, check_size=lambda n: check_record_size(n, limit, url)
+        )
     except ObjectNotFound:
         found = [key for key, _ in await transfer.list_objects(bucket, listing, limit=1)]
         found = found or [key for key, _ in await transfer.list_uploads(bucket, listing)]
@@ -291,7 +398,7 @@ async def read_checkpoint(transfer: Transfer, location: Location) -> Checkpoint:
             f"no checkpoint at {location.url}: nothing is stored under this prefix",
             url=location.url,
         ) from None
-    return decode(raw, url=location.metadata_url)
+    return decode(raw, url=url)
 
 
 class _Placer:

@@ -3,7 +3,9 @@
 Removal deletes ``.metadata`` first, so a checkpoint stops being loadable at once and a crash
 midway leaves only unreferenced objects, which `gc` finds later. `gc` judges each save
 (``data-<id>/``) as a whole, by its newest object or uploaded part, so a save that is still
-running somewhere is left alone even if it started long ago.
+running somewhere is left alone even if it started long ago. No removal touches a save whose
+lease is live (`s3ckpt.commit`), whatever ``older_than`` says, nor a checkpoint whose
+``.metadata`` it cannot read: what that record references is unknown.
 
 Removals plan, then call ``confirm`` (in the caller's thread) with what they would remove, and
 only then delete. The I/O runs on the `bridge` loop through the shared `Transfer`.
@@ -11,6 +13,7 @@ only then delete. The I/O runs on the `bridge` loop through the shared `Transfer
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -18,7 +21,14 @@ from typing import Any
 
 from . import bridge, scan
 from .config import S3Config
-from .errors import AccessDenied, CheckpointNotFound, ConfigError, ObjectNotFound, StorageError
+from .errors import (
+    AccessDenied,
+    CheckpointNotFound,
+    ConfigError,
+    MetadataError,
+    ObjectNotFound,
+    StorageError,
+)
 from .layout import Location
 from .scan import CheckpointInfo, Progress, StoredObject, Upload
 from .transfer import Transfer
@@ -26,6 +36,7 @@ from .transfer import Transfer
 __all__ = ["GcReport", "Removal", "delete", "gc", "prune"]
 
 _BATCH = 1000  # DeleteObjects' limit
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -40,7 +51,8 @@ class Removal:
 
 @dataclass(frozen=True)
 class GcReport(Removal):
-    """`gc`'s result; ``skipped`` were too young (or their checkpoint changed while gc ran)."""
+    """`gc`'s result; ``skipped`` were too young, belong to a running save or to a checkpoint
+    whose record cannot be read, or their checkpoint changed while gc ran."""
 
     skipped: tuple[str, ...] = ()
     skipped_uploads: tuple[Upload, ...] = ()
@@ -104,16 +116,18 @@ def gc(
     config: S3Config | None = None,
     dry_run: bool = False,
     *,
+    break_leases: bool = False,
     confirm: Callable[[GcReport], bool] | None = None,
     progress: Progress | None = None,
 ) -> GcReport:
     """Delete data objects no committed ``.metadata`` references and abort multipart uploads, in
     the checkpoint at ``url`` and those directly under it, of saves that have written nothing for
-    ``older_than`` by the server's clock: a more recent one may still be running."""
+    ``older_than`` by the server's clock: a more recent one may still be running. A save whose
+    lease is live is spared too, unless ``break_leases`` (for writers known to be dead)."""
     if older_than < timedelta(0):
         raise ConfigError(f"older_than must not be negative, got {older_than}")
     location, transfer = scan.location_of(url), scan.transfer_for(config)
-    targets = bridge.run(_plan_gc(transfer, location, older_than))
+    targets = bridge.run(_plan_gc(transfer, location, older_than, break_leases))
     young = [key for t in targets for key in t.young]
     young_uploads = [upload for t in targets for upload in t.young_uploads]
     targets = [t for t in targets if t.objects or t.uploads]
@@ -144,10 +158,11 @@ def _report(
 
 async def _plan_delete(transfer: Transfer, location: Location) -> _Target:
     head = await transfer.head(location.bucket, location.metadata_key)
-    data, _ = await scan.data_objects(transfer, location)
-    uploads = [u for u, _ in (await scan.uploads(transfer, location)).get(location.prefix, [])]
+    data, now = await scan.data_objects(transfer, location)
+    pending = (await scan.uploads(transfer, location)).get(location.prefix, [])
     size = None if head is None else int(head["ContentLength"])
-    target = _Target(location, None, size, [obj for obj, _ in data], uploads)
+    objects, uploads = _not_running(location, data, pending, now)
+    target = _Target(location, None, size, objects, uploads)
     if head is None and not target.objects and not target.uploads:
         raise CheckpointNotFound(
             f"no checkpoint at {location.url} (no .metadata, data objects or uploads)",
@@ -166,18 +181,39 @@ async def _plan_prune(
     uploads = await scan.uploads(transfer, location)
     data = await scan.run_all(lambda f: scan.data_objects(transfer, f.location), victims, transfer)
     plan = []
-    for f, (objects, _) in zip(victims, data, strict=True):
-        mine = [u for u, _ in uploads.get(f.location.prefix, [])]
-        target = _Target(f.location, f.etag, f.record_size, [o for o, _ in objects], mine)
-        plan.append((f.info, target))
+    for f, (found, now) in zip(victims, data, strict=True):
+        pending = uploads.get(f.location.prefix, [])
+        objects, mine = _not_running(f.location, found, pending, now)
+        plan.append((f.info, _Target(f.location, f.etag, f.record_size, objects, mine)))
     return plan
 
 
-async def _plan_gc(transfer: Transfer, location: Location, older_than: timedelta) -> list[_Target]:
-    candidates, uploads = await scan.candidates(transfer, location, with_uploads=True)
-    return await scan.run_all(
-        lambda c: _gc_one(transfer, c, uploads.get(c.prefix, []), older_than), candidates, transfer
+def _not_running(
+    location: Location,
+    data: list[tuple[StoredObject, str]],
+    uploads: list[tuple[Upload, str]],
+    now: datetime,
+) -> tuple[list[StoredObject], list[Upload]]:
+    """The objects and uploads of saves at ``location`` whose lease is not live."""
+    live = scan.live_saves(data, now)
+    if live:
+        log.warning("%s: sparing %d running save(s): %s", location.url, len(live), sorted(live))
+    return (
+        [obj for obj, save_id in data if save_id not in live],
+        [upload for upload, save_id in uploads if save_id not in live],
     )
+
+
+async def _plan_gc(
+    transfer: Transfer, location: Location, older_than: timedelta, break_leases: bool
+) -> list[_Target]:
+    candidates, uploads = await scan.candidates(transfer, location, with_uploads=True)
+
+    async def one(candidate: Location) -> _Target:
+        pending = uploads.get(candidate.prefix, [])
+        return await _gc_one(transfer, candidate, pending, older_than, break_leases)
+
+    return await scan.run_all(one, candidates, transfer)
 
 
 async def _gc_one(
@@ -185,23 +221,36 @@ async def _gc_one(
     location: Location,
     uploads: list[tuple[Upload, str]],
     older_than: timedelta,
+    break_leases: bool,
 ) -> _Target:
     """Reads ``.metadata`` before listing: objects that a concurrent commit adds are recent."""
-    found = await scan.committed(transfer, location)
+    try:
+        found = await scan.committed(transfer, location)
+    except MetadataError as e:
+        log.warning("%s: nothing collected, its record cannot be read: %s", location.url, e)
+        data, _ = await scan.data_objects(transfer, location)
+        young = [obj.key for obj, _ in data]
+        return _Target(location, None, young=young, young_uploads=[u for u, _ in uploads])
     keep_id, referenced = None, set()
     if found is not None and found.checkpoint is not None:
         keep_id = found.checkpoint.save_id
         referenced = {location.key(key) for key in found.checkpoint.objects}
     data, now = await scan.data_objects(transfer, location)
+    live = set() if break_leases else scan.live_saves(data, now)
     saves: dict[str, tuple[list[StoredObject], list[Upload]]] = {}
     for obj, save_id in data:
-        if save_id != keep_id and obj.key not in referenced:
+        # The committed save's objects stay, but not its lease once that has expired.
+        ours = save_id == keep_id and not scan.is_lease(obj.key)
+        if not ours and obj.key not in referenced:
             saves.setdefault(save_id, ([], []))[0].append(obj)
     for upload, save_id in uploads:
         saves.setdefault(save_id, ([], []))[1].append(upload)
     target = _Target(location, None if found is None else found.etag)
-    for objects, save_uploads in saves.values():
-        if await _idle(transfer, location.bucket, objects, save_uploads, now - older_than):
+    for save_id, (objects, save_uploads) in saves.items():
+        cutoff = now - older_than
+        if save_id not in live and await _idle(
+            transfer, location.bucket, objects, save_uploads, cutoff
+        ):
             target.objects += objects
             target.uploads += save_uploads
         else:

@@ -11,17 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import logging
 import re
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any, TypeVar
 
+from . import layout
 from .client import map_error
 from .config import S3Config, parse_s3_url
 from .errors import MetadataError, ObjectNotFound
 from .layout import Location
-from .metadata import Checkpoint, decode
+from .metadata import Checkpoint, check_record_size, decode
 from .transfer import Transfer, gather_or_cancel, get_transfer
 
 __all__ = [
@@ -33,9 +35,12 @@ __all__ = [
     "candidates",
     "committed",
     "data_objects",
+    "is_lease",
     "is_old",
+    "live_saves",
     "location_of",
     "newness",
+    "readable",
     "run_all",
     "step_of",
     "survey",
@@ -46,14 +51,16 @@ __all__ = [
 
 T = TypeVar("T")
 R = TypeVar("R")
+log = logging.getLogger(__name__)
 
 Progress = Callable[[int, int], None]
 """Called as ``progress(done, total)`` while a long operation runs (objects, uploads or bytes)."""
 
 # The last path component: "step-1000", "step_1000", "global_step1000", "ckpt-00042", "1000".
 _STEP = re.compile(r"(?:[A-Za-z][A-Za-z_]*[-_]?)?(\d+)")
-# A data object's key relative to its checkpoint (layout.data_key); the group is the save id.
-_DATA = re.compile(r"data-([^/]+)/[^/]+")
+# An object of a save relative to its checkpoint (layout.data_key, with or without its hash
+# directory, or layout.lease_key); the group is the save id.
+_DATA = re.compile(r"data-([^/]+)/(?:[0-9a-f]+/)?[^/]+")
 
 
 @dataclass(frozen=True)
@@ -62,7 +69,9 @@ class CheckpointInfo:
 
     A committed one counts ``.metadata`` and the objects it references (leftovers of failed saves
     are `gc`'s business). An incomplete one counts its data objects (none, if a save died before
-    one was complete: it has only multipart uploads), and ``created`` is its latest write.
+    one was complete: it has only multipart uploads), and ``created`` is its latest write. One
+    whose ``.metadata`` cannot be read (damaged, or from a newer s3ckpt) is listed like an
+    incomplete one, with the reason in ``unreadable``; removals never delete it.
     """
 
     url: str
@@ -75,6 +84,7 @@ class CheckpointInfo:
     save_id: str | None
     world_size: int | None
     compression: str | None
+    unreadable: str | None = None  # why ``.metadata`` cannot be read (then not ``committed``)
 
 
 @dataclass(frozen=True)
@@ -176,10 +186,21 @@ async def _list(
         params["ContinuationToken"] = reply["NextContinuationToken"]
 
 
+def is_lease(key: str) -> bool:
+    return key.rpartition("/")[2] == layout.LEASE_NAME
+
+
+def live_saves(data: Iterable[tuple[StoredObject, str]], now: datetime) -> set[str]:
+    """Ids of the saves whose lease was refreshed within ``LEASE_TTL`` before ``now``."""
+    fresh = now - timedelta(seconds=layout.LEASE_TTL)
+    return {save_id for obj, save_id in data if is_lease(obj.key) and obj.modified > fresh}
+
+
 async def data_objects(
     transfer: Transfer, location: Location
 ) -> tuple[list[tuple[StoredObject, str]], datetime]:
-    """The checkpoint's ``data-<id>/`` objects with their save ids, and the server's time."""
+    """The checkpoint's ``data-<id>/`` objects (leases included) with their save ids, and the
+    server's time."""
     objects, _, now = await _list(transfer, location.bucket, location.key("data-"))
     start = len(location.listing_prefix)
     matches = ((obj, _DATA.fullmatch(obj.key[start:])) for obj in objects)
@@ -238,7 +259,11 @@ async def committed(transfer: Transfer, location: Location) -> Found | None:
         return None
     try:
         async with reply["Body"] as body:
+            limit = transfer.config.max_record_size
+            check_record_size(reply["ContentLength"], limit, location.metadata_url)
             raw: bytes = await body.read()
+    except MetadataError:
+        raise
     except Exception as e:  # the connection broke mid-body
         raise map_error(
             e, endpoint=transfer.endpoint, bucket=location.bucket, key=key, operation="get_object"
@@ -266,16 +291,30 @@ async def committed(transfer: Transfer, location: Location) -> Found | None:
     return Found(info, location, str(reply["ETag"]), len(raw), checkpoint)
 
 
+async def readable(transfer: Transfer, location: Location) -> Found | None:
+    """Like `committed`, but an unreadable record is skipped with a warning (listing, latest)."""
+    try:
+        return await committed(transfer, location)
+    except MetadataError as e:
+        log.warning("skipping %s: %s", location.url, e)
+        return None
+
+
 async def _inspect(
     transfer: Transfer, location: Location, pending: list[tuple[Upload, str]]
 ) -> Found | None:
     """The checkpoint at ``location``, committed or not (its ``pending`` uploads count only for an
     incomplete one: a save killed early has nothing else); None if there is none."""
-    found = await committed(transfer, location)
+    unreadable = None
+    try:
+        found = await committed(transfer, location)
+    except MetadataError as e:
+        log.warning("%s: %s", location.url, e)
+        found, unreadable = None, str(e)
     if found is not None:
         return found
     data, _ = await data_objects(transfer, location)
-    if not data and not pending:
+    if not data and not pending and unreadable is None:
         return None
     ids = {save_id for _, save_id in data + pending}
     info = CheckpointInfo(
@@ -284,11 +323,15 @@ async def _inspect(
         committed=False,
         total_bytes=sum(obj.size for obj, _ in data),
         num_objects=len(data),
-        created=max([obj.modified for obj, _ in data] + [u.initiated for u, _ in pending]),
+        created=max(
+            [obj.modified for obj, _ in data] + [u.initiated for u, _ in pending],
+            default=datetime.fromtimestamp(0, timezone.utc),
+        ),
         step=step_of(location),
         save_id=ids.pop() if len(ids) == 1 else None,
         world_size=None,
         compression=None,
+        unreadable=unreadable,
     )
     return Found(info, location)
 

@@ -8,10 +8,14 @@ How DCP drives it (torch 2.13; see ``torch/distributed/checkpoint/storage.py``):
    id and tells each rank its number;
 3. every rank: ``write_data`` packs its items into a few objects balanced by size and uploads them
    concurrently; if anything fails it aborts its multipart uploads and deletes what it wrote;
-4. coordinator, only when every rank succeeded: ``finish`` writes ``.metadata`` with one PUT — the
-   commit. Without ``overwrite`` the PUT is conditional (``If-None-Match: *``) so that of two
-   concurrent saves at most one commits; with it, the old checkpoint's objects are deleted after
-   the commit. A failed commit deletes the save's objects.
+4. coordinator, only when every rank succeeded: ``finish`` checks that every object is stored,
+   then writes ``.metadata`` with one PUT — the commit (`s3ckpt.commit`). Without ``overwrite``
+   the PUT is conditional (``If-None-Match: *``) so that of two concurrent saves at most one
+   commits; with it, the old checkpoint's objects are deleted after the commit. A commit that
+   certainly failed deletes the save's objects; one whose outcome is unknown deletes nothing.
+
+Every rank holds the save's lease while it uploads, and the coordinator while it commits, so
+that gc, prune and rm leave a running save alone.
 
 Data objects of a multi-rank save whose other ranks failed are not referenced by any
 ``.metadata`` and are left for garbage collection.
@@ -35,7 +39,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from concurrent.futures import Future as ConcurrentFuture
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -48,11 +52,12 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from . import bridge, layout
+from .commit import Lease, commit, delete_quietly
 from .config import MiB, S3Config
-from .errors import CheckpointExists, ConfigError, PreconditionFailed, S3CkptError
+from .errors import CheckpointExists, ConfigError, S3CkptError
 from .frames import FrameTable
 from .layout import Location
-from .metadata import Locator, decode, encode
+from .metadata import Locator, encode
 from .packing import Packed, element_size
 from .staging import StagingBuffers
 from .tensorbytes import as_flat_bytes
@@ -244,7 +249,8 @@ class S3Writer(StorageWriter):
             ):
                 stored = _Stored(Locator(relative, start, length))
                 results.append(WriteResult(item.index, length, stored))
-        return bridge.to_torch_future(bridge.submit(self._upload(uploads, results)))
+        upload = self._upload(uploads, results, rank_plan.save_id)
+        return bridge.to_torch_future(bridge.submit(upload))
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         locators: dict[MetadataIndex, Locator] = {}
@@ -266,7 +272,8 @@ class S3Writer(StorageWriter):
             frames=frames,
             extra={"world_size": len(results)},
         )
-        bridge.run(self._commit(record, [self.location.key(k) for k in frames]))
+        objects = {self.location.key(key): table.size for key, table in frames.items()}
+        bridge.run(self._commit(record, objects, self._save_id))
 
     @property
     def _transfer(self) -> Transfer:
@@ -285,10 +292,37 @@ class S3Writer(StorageWriter):
                 url=self.checkpoint_id,
             )
 
+    async def _commit(self, record: bytes, objects: dict[str, int], save_id: str) -> None:
+        lease = Lease(self._transfer, self.location, save_id)
+        try:
+            async with lease.held():
+                await commit(
+                    self._transfer,
+                    self.location,
+                    record,
+                    objects,
+                    save_id=save_id,
+                    overwrite=self.overwrite,
+                )
+        finally:
+            await lease.release()
+
     async def _upload(
+        self, uploads: dict[str, Packed], results: list[WriteResult], save_id: str
+    ) -> list[WriteResult]:
+        """Upload the objects under the save's lease, checksumming their frames; the results
+        carry the frame tables."""
+        lease = Lease(self._transfer, self.location, save_id)
+        try:
+            async with lease.held():
+                return await self._upload_all(uploads, results)
+        except BaseException:
+            await lease.release()  # this save can no longer commit
+            raise
+
+    async def _upload_all(
         self, uploads: dict[str, Packed], results: list[WriteResult]
     ) -> list[WriteResult]:
-        """Upload the objects while checksumming their frames; results carry the frame tables."""
         transfer, bucket, loop = self._transfer, self.location.bucket, asyncio.get_running_loop()
         tables: dict[str, FrameTable] = {}
 
@@ -309,7 +343,7 @@ class S3Writer(StorageWriter):
         except BaseException:
             # Every key, not only finished ones: a cancelled PUT or Complete may still land.
             keys = [self.location.key(relative) for relative in uploads]
-            await asyncio.shield(self._delete_quietly(keys))
+            await delete_quietly(transfer, bucket, keys, f"{self.checkpoint_id}: a failed save")
             raise
         # The coordinator learns each object's frame table from its first item's result.
         for result in results:
@@ -342,60 +376,6 @@ class S3Writer(StorageWriter):
                 stored, codec, crc = await window.popleft()
                 entries.append((len(stored), crc, codec))
                 yield stored
-
-    async def _commit(self, record: bytes, keys: list[str]) -> None:
-        transfer, location = self._transfer, self.location
-        previous = await self._previous_objects() if self.overwrite else set()
-        try:
-            await transfer.put(
-                location.bucket, location.metadata_key, record, if_none_match=not self.overwrite
-            )
-        except PreconditionFailed as e:
-            # A retried PUT whose first attempt landed also meets a 412: that commit is ours.
-            if await transfer.get(location.bucket, location.metadata_key) != record:
-                await asyncio.shield(self._delete_quietly(keys))
-                raise CheckpointExists(
-                    f"{self.checkpoint_id}: another save committed first; this save's data was "
-                    "deleted",
-                    url=self.checkpoint_id,
-                ) from e
-        except BaseException:
-            await asyncio.shield(self._delete_quietly(keys))
-            raise
-        stale = previous - set(keys)
-        if stale:
-            try:
-                await transfer.delete(location.bucket, stale)
-            except S3CkptError as e:
-                log.warning("%s: committed; old data objects not deleted: %s", location.url, e)
-
-    async def _previous_objects(self) -> set[str]:
-        """Data keys of the committed checkpoint being replaced (to delete after the commit)."""
-        transfer, location = self._transfer, self.location
-        if await transfer.head(location.bucket, location.metadata_key) is None:
-            return set()
-        try:
-            raw = await transfer.get(location.bucket, location.metadata_key)
-            previous = decode(raw, url=location.metadata_url)
-        except S3CkptError as e:
-            log.warning(
-                "%s: replacing a checkpoint whose objects cannot be listed: %s", location.url, e
-            )
-            return set()
-        return {location.key(key) for key in previous.objects}
-
-    async def _delete_quietly(self, keys: Sequence[str]) -> None:
-        if not keys:
-            return
-        try:
-            await self._transfer.delete(self.location.bucket, keys)
-        except BaseException as e:
-            log.warning(
-                "%s: could not delete %d objects of a failed save: %s",
-                self.checkpoint_id,
-                len(keys),
-                e,
-            )
 
 
 @dataclass

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from s3ckpt import IncompleteCheckpoint, S3Reader, S3Writer
+from s3ckpt import IncompleteCheckpoint, S3Reader, S3Writer, layout
 from s3ckpt.catalog import gc, list_checkpoints
 from s3ckpt.config import MiB
 
@@ -58,7 +58,9 @@ def kill_mid_upload(s3: Any, bucket: str, url: str, overwrite: bool) -> None:
 
 
 @pytest.mark.parametrize("same_prefix", [False, True], ids=["new-prefix", "overwrite"])
-def test_killed_save_then_gc(s3: Any, bucket: str, same_prefix: bool) -> None:
+def test_killed_save_then_gc(
+    s3: Any, bucket: str, same_prefix: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     previous = {"w": torch.randn(100_000)}
     dcp.save(previous, storage_writer=S3Writer(bucket, "run/step-1", config=s3.config()))
     killed = "run/step-1" if same_prefix else "run/step-2"
@@ -81,6 +83,10 @@ def test_killed_save_then_gc(s3: Any, bucket: str, same_prefix: bool) -> None:
     gc(f"s3://{bucket}/run", older_than=timedelta(hours=1), config=s3.config())
     assert uploads_in_progress(s3.client, bucket)
 
+    # So does its lease, whatever the age threshold, until the lease expires.
+    gc(f"s3://{bucket}/run", older_than=timedelta(0), config=s3.config())
+    assert uploads_in_progress(s3.client, bucket)
+    monkeypatch.setattr(layout, "LEASE_TTL", 0.0)
     gc(f"s3://{bucket}/run", older_than=timedelta(0), config=s3.config())
     assert uploads_in_progress(s3.client, bucket) == []
     assert set(listing(s3.client, bucket)) == referenced(s3, bucket, "run/step-1")

@@ -30,13 +30,21 @@ _MB = 1e6  # throughput in decimal MB/s, as storage vendors quote it
     "load the committed checkpoint at URL into one local torch.save file",
     URL,
     arg("out", metavar="OUT.pt", type=Path, help="file to write (replaced only when complete)"),
+    arg(
+        "--trust-pickles",
+        action="store_true",
+        help="unpickle non-tensor values that torch's weights_only loader refuses; they can run "
+        "code, so only for checkpoints whose writers you trust",
+    ),
 )
 def _export(session: Session) -> int:
     url, out = session.args.url, session.args.out
     print(f"export: reading {url}", file=sys.stderr)
     started = time.perf_counter()
     with session.progress("B") as progress:
-        state = catalog.read_state(url, session.config, progress=progress)
+        state = catalog.read_state(
+            url, session.config, progress=progress, trust_pickles=session.args.trust_pickles
+        )
     loaded = time.perf_counter() - started
     tensors = [v for v in _leaves(state) if isinstance(v, torch.Tensor)]
     nbytes = sum(t.numel() * t.element_size() for t in tensors)

@@ -39,7 +39,7 @@ def _ls(session: Session) -> int:
     rows = [
         [
             i.prefix or "/",
-            "committed" if i.committed else "incomplete",
+            _status(i),
             or_dash(i.step),
             human_size(i.total_bytes),
             str(i.num_objects),
@@ -52,6 +52,12 @@ def _ls(session: Session) -> int:
     if not infos and not session.args.json:
         print(f"no checkpoints at or under {session.args.url}", file=sys.stderr)
     return EXIT_OK
+
+
+def _status(info: CheckpointInfo) -> str:
+    if info.unreadable is not None:
+        return "unreadable"
+    return "committed" if info.committed else "incomplete"
 
 
 @command("latest", "print the newest committed checkpoint (highest step) under URL", URL)
@@ -181,6 +187,11 @@ def _duration(text: str) -> timedelta:
         help="only what is at least this old, so running saves are safe (default: 1h)",
     ),
     arg("--dry-run", action="store_true", help="only report what would be deleted"),
+    arg(
+        "--break-leases",
+        action="store_true",
+        help="also collect saves whose lease is live: only when their writers are known dead",
+    ),
     destructive=lambda args: not args.dry_run,
 )
 def _gc(session: Session) -> int:
@@ -194,7 +205,13 @@ def _gc(session: Session) -> int:
 
     with session.progress() as progress:
         report = catalog.gc(
-            args.url, args.older_than, session.config, args.dry_run, confirm=ask, progress=progress
+            args.url,
+            args.older_than,
+            session.config,
+            args.dry_run,
+            break_leases=args.break_leases,
+            confirm=ask,
+            progress=progress,
         )
     if declined:
         return fail("not confirmed; nothing was deleted", EXIT_ERROR)
@@ -204,6 +221,9 @@ def _gc(session: Session) -> int:
         lines += [f"  upload s3://{report.bucket}/{u.key}" for u in report.aborted]
     if report.skipped or report.skipped_uploads:
         young = f"{len(report.skipped)} objects and {len(report.skipped_uploads)} uploads"
-        lines.append(f"kept {young} younger than {args.older_than}")
+        lines.append(
+            f"kept {young}: younger than {args.older_than}, of a running save (its lease is "
+            "live) or of a checkpoint whose record cannot be read"
+        )
     session.emit(as_plain(report), "\n".join(lines))
     return EXIT_OK

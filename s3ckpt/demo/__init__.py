@@ -5,7 +5,8 @@
 
 1. a training process (`train`) checkpoints every few steps with ``dcp.async_save`` through one
    `S3Writer`, and is SIGKILLed while one of its checkpoints is uploading;
-2. ``catalog.gc`` removes what the killed save left behind;
+2. ``catalog.gc`` spares the killed save while its lease is live, and with ``break_leases``
+   (the writer is known dead) removes what it left behind;
 3. a new process finds the latest committed checkpoint (``catalog.latest``) and resumes from it;
 4. the same training runs once more without interruption, as the reference;
 

@@ -169,12 +169,19 @@ class Demo:
     def _collect_garbage(self) -> None:
         print("\n2. gc: remove what the killed save left behind")
         started = time.time()
-        # older_than=0 is safe only because the save's writer is known to be dead.
-        done = catalog.gc(self.train_url, timedelta(0), self.config)
+        spared = catalog.gc(self.train_url, timedelta(0), self.config)
+        print(
+            f"  without --break-leases: {len(spared.deleted)} objects deleted, "
+            f"{len(spared.skipped) + len(spared.skipped_uploads)} spared (the killed save's lease "
+            "is still live: for gc it might be running)"
+        )
+        # Safe only because the save's writer is known to be dead.
+        done = catalog.gc(self.train_url, timedelta(0), self.config, break_leases=True)
         self.gc_window = (started, time.time())
         print(
-            f"  gc {self.train_url} --older-than 0: deleted {len(done.deleted)} objects "
-            f"({done.bytes_freed / 1e6:.1f} MB), aborted {len(done.aborted)} multipart upload(s)"
+            f"  gc {self.train_url} --older-than 0 --break-leases: deleted "
+            f"{len(done.deleted)} objects ({done.bytes_freed / 1e6:.1f} MB), aborted "
+            f"{len(done.aborted)} multipart upload(s)"
         )
         for key in done.deleted:
             print(f"    deleted s3://{done.bucket}/{key}")
