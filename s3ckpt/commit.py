@@ -39,7 +39,7 @@ from .errors import (
     StorageError,
 )
 from .layout import Location
-from .metadata import decode
+from .metadata import check_record_size, decode
 from .retry import RetryPolicy
 from .transfer import Transfer, gather_or_cancel
 
@@ -186,7 +186,7 @@ async def _put_record(
         error = e
     if doubts or isinstance(error, PreconditionFailed):
         with contextlib.suppress(S3CkptError):  # resolved below, with retries
-            if await _read_back(transfer, bucket, key, once) == record:
+            if await _read_back(transfer, location, once) == record:
                 return _confirmed(location, error)
     if transfer.retry.should_retry(error, 1, 0.0):
         try:
@@ -200,7 +200,7 @@ async def _put_record(
         "committed record references)."
     )
     try:
-        landed = await _read_back(transfer, bucket, key)
+        landed = await _read_back(transfer, location)
     except S3CkptError as e:
         raise CommitOutcomeUnknown(
             f"{location.url}: the commit's outcome is unknown ({error}), and reading the "
@@ -232,10 +232,17 @@ def _confirmed(location: Location, error: StorageError) -> None:
 
 
 async def _read_back(
-    transfer: Transfer, bucket: str, key: str, retry: RetryPolicy | None = None
+    transfer: Transfer, location: Location, retry: RetryPolicy | None = None
 ) -> bytes | None:
+    """The record at ``location`` (None: there is none), refused over the configured size."""
+    limit, url = transfer.config.max_record_size, location.metadata_url
     try:
-        return await transfer.get(bucket, key, retry=retry)
+        return await transfer.get(
+            location.bucket,
+            location.metadata_key,
+            check_size=lambda size: check_record_size(size, limit, url),
+            retry=retry,
+        )
     except ObjectNotFound:
         return None
 
@@ -243,17 +250,12 @@ async def _read_back(
 async def _previous_objects(transfer: Transfer, location: Location) -> set[str]:
     """Data keys of the committed checkpoint being replaced (to delete after the commit)."""
     try:
-        raw = await transfer.get(location.bucket, location.metadata_key)
-    except ObjectNotFound:
-        return set()
-    try:
-        previous = decode(raw, url=location.metadata_url)
+        raw = await _read_back(transfer, location)
+        previous = None if raw is None else decode(raw, url=location.metadata_url)
     except S3CkptError as e:
-        log.warning(
-            "%s: replacing a checkpoint whose objects cannot be listed: %s", location.url, e
-        )
+        log.warning("%s: replacing a record whose objects cannot be listed: %s", location.url, e)
         return set()
-    return {location.key(key) for key in previous.objects}
+    return set() if previous is None else {location.key(key) for key in previous.objects}
 
 
 async def delete_quietly(transfer: Transfer, bucket: str, keys: Iterable[str], what: str) -> None:

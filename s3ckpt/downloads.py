@@ -235,16 +235,12 @@ class Downloads(Requests):
     ) -> StorageError:
         holds = "too few bytes" if stored is None else f"{stored} bytes"
         recorded = "" if size is None else f" of the {size} the commit recorded"
-        return StorageError(
-            f"get_object s3://{bucket}/{key} at {self.endpoint}: the object holds {holds}, the "
-            f"read wanted bytes {start}-{end - 1}{recorded}; it was truncated or replaced after "
-            "it was written",
-            endpoint=self.endpoint,
-            bucket=bucket,
-            key=key,
-            operation="get_object",
-            code="SizeMismatch",
-            status=None,
+        return self._failed_get(
+            bucket,
+            key,
+            "SizeMismatch",
+            f"the object holds {holds}, the read wanted bytes {start}-{end - 1}{recorded}; it "
+            "was truncated or replaced after it was written",
         )
 
     def _deadline(self, bucket: str, key: str, size: int) -> _Deadline:
@@ -254,26 +250,32 @@ class Downloads(Requests):
         seconds += size / rate
 
         def too_slow() -> StorageError:
-            return StorageError(
-                f"get_object s3://{bucket}/{key} at {self.endpoint}: the response was slower "
-                f"than min_read_rate ({rate:.0f} bytes/s): {size} bytes not read within "
-                f"{seconds:.1f} s (on a link this slow, lower min_read_rate or max_concurrency)",
-                endpoint=self.endpoint,
-                bucket=bucket,
-                key=key,
-                operation="get_object",
-                code="TooSlow",
-                status=None,
+            return self._failed_get(
+                bucket,
+                key,
+                "TooSlow",
+                f"the response was slower than min_read_rate ({rate:.0f} bytes/s): {size} bytes "
+                f"not read within {seconds:.1f} s (on a link this slow, lower min_read_rate or "
+                "max_concurrency)",
             )
 
         return _Deadline(seconds, too_slow)
 
     def _truncated(self, bucket: str, key: str, ended: str) -> StorageError:
         """A response body that ended early: retried like a lost connection."""
-        message = f"get_object s3://{bucket}/{key} at {self.endpoint}: response ended {ended}"
-        context = {"endpoint": self.endpoint, "bucket": bucket, "key": key}
+        return self._failed_get(bucket, key, "Truncated", f"response ended {ended}")
+
+    def _failed_get(self, bucket: str, key: str, code: str, what: str) -> StorageError:
+        """A GET whose answer is wrong in a way the client sees (``code`` says how it is
+        retried, see `s3ckpt.retry`)."""
         return StorageError(
-            message, operation="get_object", code="Truncated", status=None, **context
+            f"get_object s3://{bucket}/{key} at {self.endpoint}: {what}",
+            endpoint=self.endpoint,
+            bucket=bucket,
+            key=key,
+            operation="get_object",
+            code=code,
+            status=None,
         )
 
     def _mismatch(self, bucket: str, key: str, m: FrameCheck.Mismatch) -> ChecksumMismatch:
