@@ -10,18 +10,24 @@ no multipart upload in progress, no object under the prefix that the committed `
 not reference. Last, a save is SIGKILLed mid-upload (it does leave leftovers) and
 `s3ckpt.catalog.gc` with ``older_than=0`` must remove them all.
 
+Then the one-fault scenarios of `benchmarks.fault_scenarios` (lost commit answers, a 5 s
+brownout, server restarts, a trickle, gc mid-save, a SIGKILL loop), with s3ckpt's default retry
+settings, on a SeaweedFS of their own that they restart; ``--only`` runs one part.
+
 s3ckpt's counters see fewer failures than the proxy injects: a body fault on a response without a
 body (most PUTs) only closes the connection after a complete answer, and aiohttp itself resends a
 GET, HEAD, PUT or DELETE once when a reused connection is reset before the answer.
 
     python -m benchmarks.bench_faults                    # 50 cycles of 64 MiB, local SeaweedFS
     python -m benchmarks.bench_faults --cycles 5
+    python -m benchmarks.bench_faults --only scenarios
     python -m benchmarks.bench_faults --endpoint-url http://s3.example --access-key K --secret-key S
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -31,6 +37,7 @@ import random
 import secrets
 import signal
 import sys
+import tempfile
 import time
 from collections import Counter
 from datetime import timedelta
@@ -44,9 +51,10 @@ from botocore.client import BaseClient
 from botocore.config import Config
 from torch.distributed.checkpoint.api import CheckpointException
 
-from s3ckpt import S3Reader, S3Writer
+from s3ckpt import S3Reader, S3Writer, layout
 from s3ckpt.catalog import gc
 from s3ckpt.config import MiB, S3Config
+from s3ckpt.localserver import SeaweedFS
 from s3ckpt.transfer import get_transfer
 from tests.faultproxy import (
     Action,
@@ -90,6 +98,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--region", help="default: the AWS sources, else us-east-1")
     p.add_argument("--bucket", default="s3ckpt-bench", help="created if missing")
     p.add_argument("--seed", type=int, default=0, help="state contents and the faults' draws")
+    p.add_argument(
+        "--only",
+        choices=("cycles", "scenarios"),
+        help="run only the fault-rate cycles or only the one-fault scenarios (default: both)",
+    )
     p.add_argument("--json", type=Path, default=RESULTS / "faults.json")
     args = p.parse_args(argv)
     if args.cycles < 1 or not 0 <= args.fault_rate < 1 or args.max_attempts < 1:
@@ -352,6 +365,8 @@ def after_gc(
     """What the killed save left, what gc removed, what is left, and whether the checkpoint the
     killed save would have replaced still loads bit for bit."""
     before = leftovers(client, config, bucket, prefix)
+    # The killed save's lease protects it from gc until it expires.
+    time.sleep(layout.LEASE_TTL)
     report = gc(f"s3://{bucket}/{prefix}", older_than=timedelta(0), config=config)
     after = leftovers(client, config, bucket, prefix)
     loaded = {name: torch.zeros_like(tensor) for name, tensor in state.items()}
@@ -419,46 +434,39 @@ def summarize(report: dict[str, Any]) -> str:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    # Every retry is a WARNING of s3ckpt.transfer (hundreds here); the stats count them. The
-    # writer's warnings (old objects not deleted...) still show.
-    logging.getLogger("s3ckpt.transfer").setLevel(logging.ERROR)
-    started, machine = time.time(), machine_info()
+def run_all_cycles(args: argparse.Namespace, ep: Endpoint) -> dict[str, Any]:
+    """The fault-rate phases and the killed save: the report's cycle parts and their goals."""
     size = int(args.size_mib * MiB)
     state = make_state(size, args.seed)
-    with s3_endpoint(args.endpoint_url, args.access_key, args.secret_key, args.region) as ep:
-        client = _backdoor(ep)
-        if args.bucket not in {b["Name"] for b in client.list_buckets().get("Buckets", [])}:
-            client.create_bucket(Bucket=args.bucket)
-        prefix = f"faults-{secrets.token_hex(4)}/ck"
-        direct = dataclasses.replace(
-            ep.config(part_size=args.part_size_mib * MiB, max_concurrency=args.concurrency),
-            max_attempts=args.max_attempts,
-        )
-        print(
-            f"s3ckpt fault benchmark: {_nbytes(state) / MiB:.0f} MiB state ({len(state)} "
-            f"tensors), {args.cycles} cycles per phase, {100 * args.fault_rate:g}% of requests "
-            f"failing, {ep.server} at {ep.url}",
-            flush=True,
-        )
-        try:
-            # Seeded draws: a failing run repeats (up to the order of concurrent requests).
-            with FaultProxy(ep.url, rng=random.Random(args.seed)) as proxy:
-                config = dataclasses.replace(direct, endpoint_url=proxy.endpoint_url)
-                run_cycles("warm-up", 1, state, config, args.bucket, prefix)
-                probabilities = add_fault_rules(proxy, args.fault_rate)
-                faults = run_phase("faults", args, proxy, state, config, args.bucket, prefix)
-                faults["leftovers"] = leftovers(client, direct, args.bucket, prefix)
-                proxy.clear_rules()
-                clean = run_phase("clean", args, proxy, state, config, args.bucket, prefix)
-                clean["leftovers"] = leftovers(client, direct, args.bucket, prefix)
-                print("killed save, then gc", flush=True)
-                kill_mid_save(proxy, client, config, args.bucket, prefix, size)
-            # The proxy is gone, with any request of the killed save it still held.
-            killed = after_gc(client, direct, args.bucket, prefix, state)
-        finally:
-            _delete_prefix(client, args.bucket, prefix.rsplit("/", 1)[0] + "/")
+    client = _backdoor(ep)
+    prefix = f"faults-{secrets.token_hex(4)}/ck"
+    direct = dataclasses.replace(
+        ep.config(part_size=args.part_size_mib * MiB, max_concurrency=args.concurrency),
+        max_attempts=args.max_attempts,
+    )
+    print(
+        f"s3ckpt fault benchmark: {_nbytes(state) / MiB:.0f} MiB state ({len(state)} "
+        f"tensors), {args.cycles} cycles per phase, {100 * args.fault_rate:g}% of requests "
+        f"failing, {ep.server} at {ep.url}",
+        flush=True,
+    )
+    try:
+        # Seeded draws: a failing run repeats (up to the order of concurrent requests).
+        with FaultProxy(ep.url, rng=random.Random(args.seed)) as proxy:
+            config = dataclasses.replace(direct, endpoint_url=proxy.endpoint_url)
+            run_cycles("warm-up", 1, state, config, args.bucket, prefix)
+            probabilities = add_fault_rules(proxy, args.fault_rate)
+            faults = run_phase("faults", args, proxy, state, config, args.bucket, prefix)
+            faults["leftovers"] = leftovers(client, direct, args.bucket, prefix)
+            proxy.clear_rules()
+            clean = run_phase("clean", args, proxy, state, config, args.bucket, prefix)
+            clean["leftovers"] = leftovers(client, direct, args.bucket, prefix)
+            print("killed save, then gc once its lease has expired", flush=True)
+            kill_mid_save(proxy, client, config, args.bucket, prefix, size)
+        # The proxy is gone, with any request of the killed save it still held.
+        killed = after_gc(client, direct, args.bucket, prefix, state)
+    finally:
+        _delete_prefix(client, args.bucket, prefix.rsplit("/", 1)[0] + "/")
     cycle = {
         name: median([r["save_s"] + r["load_s"] for r in p["runs"] if r["ok"]])
         for name, p in (("faults", faults), ("clean", clean))
@@ -474,35 +482,99 @@ def main(argv: list[str] | None = None) -> int:
         "gc_left_nothing": _clean(killed["after_gc"]) and killed["previous_checkpoint_intact"],
         "within_2x": ratios["cycle"] is not None and ratios["cycle"] <= 2.0,
     }
-    report = {
-        "machine": machine,
-        "server": {"name": ep.server, "endpoint": ep.url, "local": ep.server_pid is not None},
-        "settings": {
-            "cycles": args.cycles,
-            "state_bytes": _nbytes(state),
-            "tensors": len(state),
-            "fault_rate": args.fault_rate,
-            "rule_probabilities": probabilities,
-            "part_size": direct.part_size,
-            "multipart_threshold": direct.multipart_threshold,
-            "max_concurrency": direct.max_concurrency,
-            "max_attempts": direct.max_attempts,
-            "retry_timeout": direct.retry_timeout,
-            "seed": args.seed,
-            "wall_s": time.time() - started,
-        },
+    settings = {
+        "cycles": args.cycles,
+        "state_bytes": _nbytes(state),
+        "tensors": len(state),
+        "fault_rate": args.fault_rate,
+        "rule_probabilities": probabilities,
+        "part_size": direct.part_size,
+        "multipart_threshold": direct.multipart_threshold,
+        "max_concurrency": direct.max_concurrency,
+        "max_attempts": direct.max_attempts,
+        "retry_timeout": direct.retry_timeout,
+        "seed": args.seed,
+    }
+    return {
+        "settings": settings,
         "faults": faults,
         "clean": clean,
         "ratios": ratios,
         "killed_save": killed,
         "goals": goals,
     }
+
+
+def run_all_scenarios(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The one-fault scenarios, on a SeaweedFS of their own (so that it can be restarted) unless
+    an endpoint was given."""
+    from .fault_scenarios import Server, run_scenarios
+
+    size, root = int(args.size_mib * MiB), f"scenarios-{secrets.token_hex(4)}"
+    with contextlib.ExitStack() as stack:
+        if args.endpoint_url:
+            ep = Endpoint(args.endpoint_url, args.access_key, args.secret_key, args.region, "")
+            server = Server(ep)
+        else:
+            workdir = stack.enter_context(tempfile.TemporaryDirectory(prefix="s3ckpt-scen-"))
+            weed = stack.enter_context(SeaweedFS(workdir))
+            local = weed.endpoint
+            keys = (local.access_key_id, local.secret_access_key)
+            server = Server(Endpoint(local.endpoint_url, *keys, None, "SeaweedFS"), weed)
+        client = server.client()
+        if args.bucket not in {b["Name"] for b in client.list_buckets().get("Buckets", [])}:
+            client.create_bucket(Bucket=args.bucket)
+        try:
+            return run_scenarios(server, args.bucket, root, size, args.seed)
+        finally:
+            _delete_prefix(server.client(), args.bucket, f"{root}/")
+
+
+def _scenarios_ok(rows: list[dict[str, Any]]) -> bool:
+    return all(
+        row["save_ok"] is not False
+        and row["load_ok"] is not False
+        and row["last_save_loads_exact"]
+        and not (row["uploads_in_progress"] or row["unreferenced_objects"])
+        for row in rows
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # Every retry is a WARNING of s3ckpt.transfer (hundreds here); the stats count them. The
+    # writer's warnings (old objects not deleted...) still show.
+    logging.getLogger("s3ckpt.transfer").setLevel(logging.ERROR)
+    started = time.time()
+    report: dict[str, Any] = {"machine": machine_info()}
+    if args.only != "scenarios":
+        with s3_endpoint(args.endpoint_url, args.access_key, args.secret_key, args.region) as ep:
+            client = _backdoor(ep)
+            if args.bucket not in {b["Name"] for b in client.list_buckets().get("Buckets", [])}:
+                client.create_bucket(Bucket=args.bucket)
+            report["server"] = {
+                "name": ep.server,
+                "endpoint": ep.url,
+                "local": ep.server_pid is not None,
+            }
+            report |= run_all_cycles(args, ep)
+    if args.only != "cycles":
+        report["scenarios"] = run_all_scenarios(args)
+        report.setdefault("goals", {})["scenarios_ok"] = _scenarios_ok(report["scenarios"])
+    report["wall_s"] = time.time() - started
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2))
-    print(summarize(report))
+    args.json.write_text(json.dumps(report, indent=2, default=str))
+    if args.only != "scenarios":
+        print(summarize(report))
+    if args.only != "cycles":
+        from .fault_scenarios import scenario_table
+
+        headers, rows = scenario_table(report["scenarios"])
+        print(format_table(headers, rows))
+        print("uploads / unref: after gc --older-than 0, once killed saves' leases expired")
     print(f"JSON: {args.json}")
     # The 2x goal is about speed on a shared machine: reported, not a failure.
-    failed = [name for name, met in goals.items() if not met and name != "within_2x"]
+    failed = [name for name, met in report["goals"].items() if not met and name != "within_2x"]
     for name in failed:
         print(f"FAILED: {name}", file=sys.stderr)
     return 1 if failed else 0
