@@ -69,11 +69,12 @@ class S3Config:
     read_timeout: float = 60.0
     max_attempts: int | None = None
     retry_timeout: float = 60.0
-    # 64 KiB/s: a 10 Mbit/s link shared by the 16 default streams still gives each 76 KiB/s, and
-    # the read_timeout of slack covers a stall; what it cuts is a trickle (a failing disk or
-    # proxy) that aiohttp's per-read timeout never ends. A cut costs a request, not progress: the
-    # retry resumes at the first missing byte (at the first missing frame when checked).
-    min_read_rate: float = 64 * 1024
+    # 1 MiB/s, with the read_timeout of slack on top: a GET of a 16 MiB part is cut only after
+    # 76 s, so only below about 220 KB/s (a 100 Mbit/s link shared by the 16 default streams
+    # still gives each 780 KB/s). What it cuts is a trickle (a failing disk or proxy) that
+    # aiohttp's per-read timeout never ends: 8 MB at 4 KiB/s is cut at 68 s. A cut costs a
+    # request, not progress: the retry resumes at the first missing byte (frame when checked).
+    min_read_rate: float = 1 * MiB
     part_size: int = 16 * MiB
     multipart_threshold: int = 16 * MiB
     max_concurrency: int = 16
