@@ -164,8 +164,9 @@ async def _plan_delete(transfer: Transfer, location: Location) -> _Target:
     objects, uploads = _not_running(location, data, pending, now)
     target = _Target(location, None, size, objects, uploads)
     if head is None and not target.objects and not target.uploads:
+        running = " but a running save's (its lease is live)" if data or pending else ""
         raise CheckpointNotFound(
-            f"no checkpoint at {location.url} (no .metadata, data objects or uploads)",
+            f"no checkpoint at {location.url} (no .metadata, data objects or uploads{running})",
             url=location.url,
         )
     return target

@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from s3ckpt import S3Reader, S3Writer, layout
-from s3ckpt.catalog import gc, latest, list_checkpoints, prune
+from s3ckpt import CheckpointNotFound, S3Reader, S3Writer, layout
+from s3ckpt.catalog import delete, gc, latest, list_checkpoints, prune
 from s3ckpt.config import MiB
 
 from .faultproxy import Delay, FaultProxy
@@ -161,3 +161,17 @@ def test_gc_and_prune_never_delete_what_they_cannot_read(s3: Any, bucket: str) -
     assert listing(s3.client, bucket, "run/step-2/") == kept
     assert "run/step-3/.metadata" in listing(s3.client, bucket, "run/step-3/")
     assert_loads(s3, bucket, "run/step-1", state(1))
+
+
+def test_rm_during_a_save_leaves_it_alone(s3: Any, bucket: str) -> None:
+    saved = state(4)
+    url = f"s3://{bucket}/ck"
+
+    def remove() -> BaseException:
+        with pytest.raises(CheckpointNotFound) as info:
+            delete(url, config=s3.config())
+        return info.value
+
+    error = during_a_slow_save(s3, bucket, "ck", saved, remove)
+    assert "running save" in str(error)
+    assert_loads(s3, bucket, "ck", saved)
