@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -36,6 +36,8 @@ from .common import Endpoint
 __all__ = ["Server", "run_scenarios", "scenario_table"]
 
 _PARTS = {"part_size": 5 * MiB, "multipart_threshold": 5 * MiB}
+T = TypeVar("T")
+Outcome = tuple[bool, float, str | None]  # succeeded, seconds, error
 _KILLS = 20
 
 
@@ -45,7 +47,7 @@ def _state(size: int, step: int) -> dict[str, torch.Tensor]:
     return state
 
 
-def _timed(call: Callable[[], Any]) -> tuple[bool, float, str | None]:
+def _timed(call: Callable[[], Any]) -> Outcome:
     started = time.perf_counter()
     try:
         call()
@@ -91,7 +93,7 @@ def _aftermath(
     }
 
 
-def _row(name: str, fault: str, save: tuple[bool, float, str | None] | None, **rest: Any) -> dict:
+def _row(name: str, fault: str, save: Outcome | None, **rest: Any) -> dict:
     load = rest.pop("load", None)
     return {
         "scenario": name,
@@ -107,9 +109,9 @@ def _row(name: str, fault: str, save: tuple[bool, float, str | None] | None, **r
 
 
 @contextlib.contextmanager
-def _in_thread(call: Callable[[], Any]) -> Iterator[list[tuple[bool, float, str | None]]]:
+def _in_thread(call: Callable[[], Any]) -> Iterator[list[Outcome]]:
     """Run ``call`` timed in a thread; the list holds its result once the block has exited."""
-    out: list[tuple[bool, float, str | None]] = []
+    out: list[Outcome] = []
     thread = threading.Thread(target=lambda: out.append(_timed(call)))
     thread.start()
     try:
@@ -221,6 +223,18 @@ def run_scenarios(
         def prefix(name: str) -> str:
             return f"{root}/{name}"
 
+        def during_save(p: str, stall: float, act: Callable[[], T]) -> tuple[Outcome, Any, T]:
+            """Save ``two`` over ``one`` at ``p`` with its parts held back ``stall`` seconds each,
+            running ``act`` once a part is stored; the save's outcome, the state the prefix
+            should then load as, and what ``act`` returned."""
+            _save(direct, bucket, p, one)
+            proxy.add_rule(Delay(stall), op="UploadPart")
+            with _in_thread(lambda: _save(config, bucket, p, two)) as out:
+                _wait_for(lambda: _part_stored(client, bucket, p))
+                result = act()
+            proxy.clear_rules()
+            return out[0], two if out[0][0] else one, result
+
         print("scenario: commit answers lost", flush=True)
         p = prefix("commit-lost")
         _save(direct, bucket, p, one)
@@ -258,19 +272,14 @@ def run_scenarios(
         if server.weed is not None:
             print("scenario: server restart mid-save", flush=True)
             p = prefix("restart-save")
-            _save(direct, bucket, p, one)
-            proxy.add_rule(Delay(0.5), op="UploadPart")
-            with _in_thread(lambda: _save(config, bucket, p, two)) as out:
-                _wait_for(lambda: _part_stored(client, bucket, p))
-                restart_s = server.restart(proxy)
-            proxy.clear_rules()
+            save, last, restart_s = during_save(p, 0.5, lambda: server.restart(proxy))
             direct, client = server.config(), server.client()
             rows.append(
                 _row(
                     "server restart, save",
                     f"SeaweedFS stopped and started again ({restart_s:.1f} s) mid-upload",
-                    out[0],
-                    **_aftermath(client, direct, bucket, p, two if out[0][0] else one),
+                    save,
+                    **_aftermath(client, direct, bucket, p, last),
                 )
             )
 
@@ -311,20 +320,18 @@ def run_scenarios(
 
         print("scenario: gc --older-than 0 mid-save", flush=True)
         p = prefix("gc-mid-save")
-        _save(direct, bucket, p, one)
-        proxy.add_rule(Delay(3.0), op="UploadPart")
-        with _in_thread(lambda: _save(config, bucket, p, two)) as out:
-            _wait_for(lambda: _part_stored(client, bucket, p))
-            report = gc(f"s3://{bucket}/{p}", older_than=timedelta(0), config=direct)
-        proxy.clear_rules()
+        url = f"s3://{bucket}/{p}"
+        save, last, report = during_save(
+            p, 3.0, lambda: gc(url, older_than=timedelta(0), config=direct)
+        )
         spared = len(report.skipped) + len(report.skipped_uploads)
         rows.append(
             _row(
                 "gc --older-than 0, mid-save",
                 f"gc ran while the save uploaded: deleted {len(report.deleted)}, aborted "
                 f"{len(report.aborted)}, spared {spared}",
-                out[0],
-                **_aftermath(client, direct, bucket, p, two if out[0][0] else one),
+                save,
+                **_aftermath(client, direct, bucket, p, last),
             )
         )
 

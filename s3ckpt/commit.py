@@ -187,7 +187,8 @@ async def _put_record(
     if doubts or isinstance(error, PreconditionFailed):
         with contextlib.suppress(S3CkptError):  # resolved below, with retries
             if await _read_back(transfer, location, once) == record:
-                return _confirmed(location, error)
+                _log_read_back(location, error)
+                return None
     if transfer.retry.should_retry(error, 1, 0.0):
         try:
             await put(None)
@@ -209,7 +210,8 @@ async def _put_record(
             save_id=save_id,
         ) from error
     if landed == record:
-        return _confirmed(location, error)
+        _log_read_back(location, error)
+        return None
     if isinstance(error, PreconditionFailed) and not overwrite:
         # A conditional PUT cannot land while another save's record is there.
         return CheckpointExists(
@@ -227,7 +229,7 @@ async def _put_record(
     ) from error
 
 
-def _confirmed(location: Location, error: StorageError) -> None:
+def _log_read_back(location: Location, error: StorageError) -> None:
     log.info("%s: committed (answer lost: %s; the record read back)", location.url, error)
 
 

@@ -32,7 +32,6 @@ import dataclasses
 import importlib.util
 import io
 import itertools
-import logging
 import math
 import os
 import secrets
@@ -64,8 +63,6 @@ from .tensorbytes import as_flat_bytes
 from .transfer import Transfer, gather_or_cancel, get_transfer
 
 __all__ = ["S3Writer"]
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
