@@ -30,7 +30,7 @@ lint: venv
 	$(VENV)/bin/ruff format --check .
 
 demo: venv
-	$(PY) -m s3ckpt.demo
+	$(PY) -m s3ckpt.tools.demo
 
 bench: venv
 	$(PY) -m benchmarks.bench_core

@@ -24,8 +24,10 @@ import torch.distributed.checkpoint as dcp
 from botocore.config import Config
 
 from benchmarks.common import RESULTS, Endpoint, format_table, machine_info, median, s3_endpoint
-from s3ckpt import S3Config, S3Writer, bridge, catalog
-from s3ckpt.transfer import get_transfer
+from s3ckpt import S3Config, S3Writer
+from s3ckpt.engine import bridge
+from s3ckpt.engine.store import get_transfer
+from s3ckpt.tools import catalog
 
 GOAL_S = 5.0
 

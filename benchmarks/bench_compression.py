@@ -14,7 +14,7 @@ lives in a separate ``.venv-bench`` so that the project's ``.venv`` stays lean::
     .venv-bench/bin/python -m benchmarks.bench_compression --skip-e2e --steps 50   # quicker
 
 Per tensor set and setting it measures the ratio (raw / stored bytes) and compress and
-decompress MB/s of s3ckpt's own codec (`s3ckpt.frames.encode`/``decode`` over ``frame_size``
+decompress MB/s of s3ckpt's own codec (`s3ckpt.format.frames.encode`/``decode`` over ``frame_size``
 frames of each tensor's bytes), one frame at a time and with a pool of 2 threads (as the writer
 compresses); torch DCP's ``ZStandard`` extension is measured alongside (its transform over the
 same bytes, and its real ratio from ``FileSystemWriter`` file sizes). Then an end-to-end save +
@@ -50,9 +50,10 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._extension import ZStandard
 
-from s3ckpt import S3Reader, S3Writer, frames
+from s3ckpt import S3Reader, S3Writer
 from s3ckpt.config import MiB
-from s3ckpt.packing import element_size
+from s3ckpt.format import frames
+from s3ckpt.format.packing import element_size
 
 from .common import (
     RESULTS,

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from s3ckpt.config import MiB
-from s3ckpt.staging import StagingBuffers
+from s3ckpt.dcp.staging import StagingBuffers
 
 from .common import GB, RESULTS, format_table, machine_info
 from .peers import workload_specs

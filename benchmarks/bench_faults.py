@@ -8,7 +8,7 @@ compares bit for bit. The clean phase repeats the cycles through the same proxy 
 the time ratio is the faults' cost, not the proxy's. After each phase nothing may be left over:
 no multipart upload in progress, no object under the prefix that the committed ``.metadata`` does
 not reference. Last, a save is SIGKILLed mid-upload (it does leave leftovers) and
-`s3ckpt.catalog.gc` with ``older_than=0`` must remove them all.
+`s3ckpt.tools.catalog.gc` with ``older_than=0`` must remove them all.
 
 Then the one-fault scenarios of `benchmarks.fault_scenarios` (lost commit answers, a 5 s
 brownout, server restarts, a trickle, gc mid-save, a SIGKILL loop), with s3ckpt's default retry
@@ -51,11 +51,12 @@ from botocore.client import BaseClient
 from botocore.config import Config
 from torch.distributed.checkpoint.api import CheckpointException
 
-from s3ckpt import S3Reader, S3Writer, layout
-from s3ckpt.catalog import gc
+from s3ckpt import S3Reader, S3Writer
 from s3ckpt.config import MiB, S3Config
-from s3ckpt.localserver import SeaweedFS
-from s3ckpt.transfer import get_transfer
+from s3ckpt.engine.store import get_transfer
+from s3ckpt.format import layout
+from s3ckpt.tools.catalog import gc
+from s3ckpt.tools.localserver import SeaweedFS
 from tests.faultproxy import (
     Action,
     Delay,
@@ -542,9 +543,9 @@ def _scenarios_ok(rows: list[dict[str, Any]]) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    # Every retry is a WARNING of s3ckpt.transfer (hundreds here); the stats count them. The
+    # Every retry is a WARNING of s3ckpt.engine.store (hundreds here); the stats count them. The
     # writer's warnings (old objects not deleted...) still show.
-    logging.getLogger("s3ckpt.transfer").setLevel(logging.ERROR)
+    logging.getLogger("s3ckpt.engine.store").setLevel(logging.ERROR)
     started = time.time()
     report: dict[str, Any] = {"machine": machine_info()}
     if args.only != "scenarios":

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from s3ckpt.config import MiB
-from s3ckpt.localserver import free_port
+from s3ckpt.tools.localserver import free_port
 
 from . import chart
 from .common import (

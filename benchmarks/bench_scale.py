@@ -12,7 +12,7 @@ transfer engine) that save, then load into zeroed tensors and check them bit for
 timed by subclassing `S3Writer`/`S3Reader` and stamping their DCP hooks: planning is dcp.save's
 start until ``write_data`` is entered (storage setup, DCP's local and global planning and the plan
 exchange); ``finish`` runs on the coordinator, and its JSON encode is timed by wrapping
-``s3ckpt.writer.encode`` in the worker process. Requests are deltas of each rank's
+``s3ckpt.dcp.writer.encode`` in the worker process. Requests are deltas of each rank's
 ``get_transfer(config).stats.requests``, summed over ranks; the bucket's checksum probe is done
 before measuring. One repetition per point: on a shared 2-core machine treat +-20% as noise.
 
@@ -59,12 +59,14 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-import s3ckpt.writer as writer_module
-from s3ckpt import S3Config, S3Reader, S3Writer, bridge
+import s3ckpt.dcp.writer as writer_module
+from s3ckpt import S3Config, S3Reader, S3Writer
 from s3ckpt.config import MiB
-from s3ckpt.layout import Location, pack
-from s3ckpt.localserver import free_port
-from s3ckpt.transfer import get_transfer
+from s3ckpt.engine import bridge
+from s3ckpt.engine.store import get_transfer
+from s3ckpt.format.layout import Location
+from s3ckpt.format.packing import assign_objects as pack
+from s3ckpt.tools.localserver import free_port
 
 from .common import (
     RESULTS,

@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 import psutil
 
 from s3ckpt.config import MiB, S3Config
-from s3ckpt.localserver import SeaweedFS, find_weed
+from s3ckpt.tools.localserver import SeaweedFS, find_weed
 
 __all__ = [
     "GB",

@@ -24,10 +24,11 @@ import torch.distributed.checkpoint as dcp
 from botocore.client import BaseClient
 from torch.distributed.checkpoint.api import CheckpointException
 
-from s3ckpt import S3Reader, S3Writer, layout
-from s3ckpt.catalog import gc
+from s3ckpt import S3Reader, S3Writer
 from s3ckpt.config import MiB, S3Config
-from s3ckpt.localserver import SeaweedFS
+from s3ckpt.format import layout
+from s3ckpt.tools.catalog import gc
+from s3ckpt.tools.localserver import SeaweedFS
 from tests.faultproxy import Delay, FaultProxy, ResetAfter, Status, Trickle
 
 from .bench_faults import _backdoor, _differing, _uploads, leftovers, make_state

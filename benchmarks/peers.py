@@ -144,7 +144,7 @@ class S3ckptAdapter(Adapter):
         return S3Reader(self.target.bucket, config=self.config)
 
     def client_requests(self) -> int | None:
-        from s3ckpt.transfer import get_transfer
+        from s3ckpt.engine.store import get_transfer
 
         return get_transfer(self.config).stats.requests
 

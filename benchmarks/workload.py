@@ -20,9 +20,10 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from s3ckpt import S3Reader, S3Writer, bridge
+from s3ckpt import S3Reader, S3Writer
 from s3ckpt.config import MiB, S3Config
-from s3ckpt.transfer import get_transfer
+from s3ckpt.engine import bridge
+from s3ckpt.engine.store import get_transfer
 
 from .common import RssSampler, cpu_since, cpu_times
 

@@ -5,6 +5,8 @@ dcp.load(state_dict, storage_reader=S3Reader("bucket", prefix="run7/step-1000"))
 """
 
 from .config import S3Config
+from .dcp.reader import S3Reader
+from .dcp.writer import S3Writer
 from .errors import (
     AccessDenied,
     BucketNotFound,
@@ -24,8 +26,6 @@ from .errors import (
     StorageError,
     UnsafeCheckpoint,
 )
-from .reader import S3Reader
-from .writer import S3Writer
 
 __all__ = [
     "AccessDenied",

@@ -28,7 +28,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from s3ckpt.config import S3Config
-from s3ckpt.localserver import SeaweedFS, free_port
+from s3ckpt.tools.localserver import SeaweedFS, free_port
 
 SERVERS = ["moto", "seaweedfs"]
 REGION = "us-east-1"

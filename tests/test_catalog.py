@@ -1,4 +1,4 @@
-"""`s3ckpt.catalog` on real servers: listing, latest, rm, prune and gc, and refused deletes."""
+"""`s3ckpt.tools.catalog` on real servers: listing, latest, rm, prune and gc, and refused deletes."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ from s3ckpt import (
     IncompleteCheckpoint,
     S3Reader,
     S3Writer,
-    catalog,
 )
-from s3ckpt.localserver import SeaweedFS
+from s3ckpt.tools import catalog
+from s3ckpt.tools.localserver import SeaweedFS
 
 from .conftest import S3Env, make_env
 from .helpers import listing, uploads_in_progress

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from s3ckpt import catalog
+from s3ckpt.tools import catalog
 
 from .conftest import Cli, S3Env
 from .helpers import listing, uploads_in_progress

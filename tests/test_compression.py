@@ -10,9 +10,9 @@ import torch.distributed.checkpoint as dcp
 
 from s3ckpt import ChecksumMismatch, S3Reader, S3Writer
 from s3ckpt.config import MiB
-from s3ckpt.frames import RAW
-from s3ckpt.transfer import get_transfer
-from s3ckpt.verify import verify
+from s3ckpt.engine.store import get_transfer
+from s3ckpt.format.frames import RAW
+from s3ckpt.tools.verify import verify
 
 from .helpers import listing, raised
 

@@ -13,9 +13,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from s3ckpt import IncompleteCheckpoint, S3Reader, S3Writer, layout
-from s3ckpt.catalog import gc, list_checkpoints
+from s3ckpt import IncompleteCheckpoint, S3Reader, S3Writer
 from s3ckpt.config import MiB
+from s3ckpt.format import layout
+from s3ckpt.tools.catalog import gc, list_checkpoints
 
 from . import dist_workers
 from .helpers import listing, uploads_in_progress

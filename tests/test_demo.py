@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from s3ckpt.demo import main
+from s3ckpt.tools.demo import main
 
 from .conftest import S3Env
 from .helpers import listing, uploads_in_progress

@@ -8,7 +8,7 @@ import pytest
 import torch
 import zstandard
 
-from s3ckpt import frames
+from s3ckpt.format import frames
 
 
 def _bytes(tensor: torch.Tensor) -> memoryview:

@@ -29,12 +29,14 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from s3ckpt import S3Config, S3Reader, S3Writer, catalog, metadata
+from s3ckpt import S3Config, S3Reader, S3Writer
+from s3ckpt.engine.store import get_transfer
 from s3ckpt.errors import ConfigError, MetadataError, StorageError
-from s3ckpt.frames import RAW, ZSTD, FrameTable
-from s3ckpt.metadata import Locator, decode, encode
-from s3ckpt.transfer import get_transfer
-from s3ckpt.verify import verify
+from s3ckpt.format import record as metadata
+from s3ckpt.format.frames import RAW, ZSTD, FrameTable
+from s3ckpt.format.record import Locator, decode, encode
+from s3ckpt.tools import catalog
+from s3ckpt.tools.verify import verify
 
 from .helpers import raised
 

@@ -12,9 +12,9 @@ import torch.distributed.checkpoint as dcp
 
 from s3ckpt import ChecksumMismatch, S3Reader, S3Writer
 from s3ckpt.cli import main
-from s3ckpt.frames import FrameCheck, FrameTable, checksum
-from s3ckpt.transfer import get_transfer
-from s3ckpt.verify import verify
+from s3ckpt.engine.store import get_transfer
+from s3ckpt.format.frames import FrameCheck, FrameTable, checksum
+from s3ckpt.tools.verify import verify
 
 from .faultproxy import Corrupt, FaultProxy
 from .helpers import raised

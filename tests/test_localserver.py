@@ -11,7 +11,7 @@ import pytest
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
-from s3ckpt.localserver import SeaweedFS
+from s3ckpt.tools.localserver import SeaweedFS
 from tests.conftest import S3Env
 
 

@@ -44,9 +44,9 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from s3ckpt.errors import MetadataError
-from s3ckpt.frames import FrameTable
-from s3ckpt.metadata import FORMAT, FORMAT_VERSION, Checkpoint, Locator, decode
-from s3ckpt.metadata import encode as encode_record
+from s3ckpt.format.frames import FrameTable
+from s3ckpt.format.record import FORMAT, FORMAT_VERSION, Checkpoint, Locator, decode
+from s3ckpt.format.record import encode as encode_record
 
 URL = "s3://bucket/run/step-10/.metadata"
 FRAME = 4096

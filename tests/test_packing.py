@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from s3ckpt import frames
-from s3ckpt.packing import ALIGN, Packed
+from s3ckpt.format import frames
+from s3ckpt.format.packing import ALIGN, Packed
 
 
 def _reference(values: list[torch.Tensor | bytes]) -> bytes:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from s3ckpt.ranges import (
+from s3ckpt.format.ranges import (
     Merged,
     coalesce,
     covering_range,

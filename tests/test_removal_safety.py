@@ -14,9 +14,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from s3ckpt import CheckpointNotFound, S3Reader, S3Writer, layout
-from s3ckpt.catalog import delete, gc, latest, list_checkpoints, prune
+from s3ckpt import CheckpointNotFound, S3Reader, S3Writer
 from s3ckpt.config import MiB
+from s3ckpt.format import layout
+from s3ckpt.tools.catalog import delete, gc, latest, list_checkpoints, prune
 
 from .faultproxy import Delay, FaultProxy
 from .helpers import listing

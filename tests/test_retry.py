@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from s3ckpt.engine.retry import BASE_DELAY, MAX_DELAY, REPEAT_LIMIT, RetryPolicy, is_transient
 from s3ckpt.errors import (
     AccessDenied,
     BucketNotFound,
@@ -15,7 +16,6 @@ from s3ckpt.errors import (
     PreconditionFailed,
     StorageError,
 )
-from s3ckpt.retry import BASE_DELAY, MAX_DELAY, REPEAT_LIMIT, RetryPolicy, is_transient
 
 
 def failure(cls: type[StorageError], code: str, status: int | None) -> StorageError:

@@ -25,8 +25,8 @@ from botocore.exceptions import ClientError
 from s3ckpt import EndpointUnreachable, S3Reader, S3Writer, StorageError
 from s3ckpt.cli import main
 from s3ckpt.config import MiB, S3Config
-from s3ckpt.requests import Requests
-from s3ckpt.transfer import get_transfer
+from s3ckpt.engine.calls import Requests
+from s3ckpt.engine.store import get_transfer
 
 from .faultproxy import FaultProxy, Status, Trickle
 from .helpers import raised
@@ -245,7 +245,7 @@ def test_only_the_first_retry_of_a_request_warns(caplog: pytest.LogCaptureFixtur
     async def attempt() -> None:
         raise failing("SlowDown", 503)
 
-    with caplog.at_level(logging.INFO, logger="s3ckpt.transfer"), pytest.raises(StorageError):
+    with caplog.at_level(logging.INFO, logger="s3ckpt.engine.store"), pytest.raises(StorageError):
         asyncio.run(requests._retrying("put_object", "b", "k", attempt))
     retries = [r for r in caplog.records if "retrying in" in r.getMessage()]
     assert [r.levelno for r in retries[:2]] == [logging.WARNING, logging.INFO]

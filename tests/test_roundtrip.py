@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 
 from s3ckpt import S3Config, S3Reader, S3Writer
 from s3ckpt.config import MiB
-from s3ckpt.transfer import get_transfer
+from s3ckpt.engine.store import get_transfer
 
 from .helpers import listing
 

@@ -10,8 +10,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from s3ckpt import S3Config, S3Reader, S3Writer
-from s3ckpt.catalog import gc
-from s3ckpt.layout import data_key, rank_of, spread_digits
+from s3ckpt.format.layout import data_key, rank_of, spread_digits
+from s3ckpt.tools.catalog import gc
 
 from .faultproxy import FaultProxy, ResetBefore
 from .helpers import listing

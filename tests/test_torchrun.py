@@ -18,7 +18,7 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
 from s3ckpt import S3Reader
-from s3ckpt.packing import ALIGN
+from s3ckpt.format.packing import ALIGN
 
 from . import torchrun_worker
 from .helpers import listing, uploads_in_progress

@@ -8,9 +8,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from s3ckpt import S3Reader, S3Writer, bridge
+from s3ckpt import S3Reader, S3Writer
 from s3ckpt.config import MiB
-from s3ckpt.transfer import get_transfer
+from s3ckpt.engine import bridge
+from s3ckpt.engine.store import get_transfer
 
 from .faultproxy import Corrupt, FaultProxy
 from .helpers import listing

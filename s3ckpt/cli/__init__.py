@@ -1,5 +1,5 @@
 """The ``s3ckpt`` command line: list, inspect, export and clean up checkpoints, and measure the
-endpoint (see `s3ckpt.catalog`).
+endpoint (see `s3ckpt.tools.catalog`).
 
 Exit codes: 0 ok, 1 a storage or runtime error (its message on stderr) or a declined prompt,
 2 a usage error, 3 no (committed) checkpoint where one was asked for. Results go to stdout (JSON
@@ -21,17 +21,7 @@ from .. import __version__
 from ..config import MiB, S3Config
 from ..errors import CheckpointNotFound, ConfigError, IncompleteCheckpoint, S3CkptError
 from . import data, manage  # noqa: F401  (importing them registers their subcommands)
-from .base import (
-    COMMANDS,
-    EXIT_ERROR,
-    EXIT_NOT_FOUND,
-    EXIT_USAGE,
-    URL,
-    Session,
-    arg,
-    command,
-    fail,
-)
+from .base import COMMANDS, EXIT_ERROR, EXIT_NOT_FOUND, EXIT_USAGE, URL, Session, arg, command, fail
 
 __all__ = ["URL", "Session", "arg", "build_parser", "command", "main"]
 

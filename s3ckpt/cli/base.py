@@ -19,8 +19,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from ..catalog import Progress, Removal
 from ..config import S3Config
+from ..tools.catalog import Progress, Removal
 
 __all__ = [
     "COMMANDS",

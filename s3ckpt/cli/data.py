@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 
-from .. import bridge, catalog
 from ..config import MiB, parse_s3_url
+from ..engine import bridge
+from ..engine.store import Transfer, gather_or_cancel, get_transfer
 from ..errors import S3CkptError
-from ..transfer import Transfer, gather_or_cancel, get_transfer
-from ..verify import verify
+from ..tools import catalog
+from ..tools.verify import verify
 from .base import EXIT_OK, URL, Session, arg, command, human_size
 
 _MB = 1e6  # throughput in decimal MB/s, as storage vendors quote it

@@ -1,4 +1,4 @@
-"""The subcommands that find, inspect and clean up checkpoints (see `s3ckpt.catalog`)."""
+"""The subcommands that find, inspect and clean up checkpoints (see `s3ckpt.tools.catalog`)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
-from .. import catalog, layout
-from ..catalog import CheckpointInfo, GcReport, Removal
+from ..format import layout
+from ..tools import catalog
+from ..tools.catalog import CheckpointInfo, GcReport, Removal
 from .base import (
     EXIT_ERROR,
     EXIT_NOT_FOUND,

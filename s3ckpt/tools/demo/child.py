@@ -18,7 +18,7 @@ class DemoError(Exception):
 
 
 class Child:
-    """One ``python -m s3ckpt.demo --child train`` process and the events it has reported.
+    """One ``python -m s3ckpt.tools.demo --child train`` process and the events it has reported.
 
     Iterating yields its events as they arrive (echoed as progress lines unless ``quiet``) and
     ends when the process closes its stdout, at exit or death.
@@ -33,7 +33,7 @@ class Child:
         self.spawned = time.time()
         self.ended: float | None = None
         self.killed_at: float | None = None
-        command = [sys.executable, "-m", "s3ckpt.demo", "--child", "train", *argv]
+        command = [sys.executable, "-m", "s3ckpt.tools.demo", "--child", "train", *argv]
         self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:

@@ -15,8 +15,8 @@ import secrets
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from .errors import StorageError
-from .frames import checksum
+from ..errors import StorageError
+from ..format.frames import checksum
 
 __all__ = ["MODES", "REFUSED", "digest", "probe"]
 

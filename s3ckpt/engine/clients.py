@@ -14,9 +14,8 @@ import botocore.exceptions
 from aiobotocore.config import AioConfig
 from aiobotocore.session import get_session
 
-from . import bridge, redact
-from .config import ResolvedConfig
-from .errors import (
+from ..config import ResolvedConfig
+from ..errors import (
     AccessDenied,
     BucketNotFound,
     EndpointUnreachable,
@@ -24,6 +23,7 @@ from .errors import (
     PreconditionFailed,
     StorageError,
 )
+from . import bridge, redact
 
 __all__ = ["ClientHolder", "map_error"]
 

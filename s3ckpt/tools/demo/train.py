@@ -1,6 +1,6 @@
 """The training process: a small causal LM on Python's help texts, checkpointed with async_save.
 
-It runs as ``python -m s3ckpt.demo --child train --url s3://bucket/run ...`` so that the demo can
+It runs as ``python -m s3ckpt.tools.demo --child train --url s3://bucket/run ...`` so that the demo can
 SIGKILL it. On start it resumes from the latest committed checkpoint under the URL, if there is
 one. It reports every step, save and resume as one JSON line on stdout (`Events`); the parent
 reads them to time the run, to know when an upload is under way, and to compare loss curves.
@@ -26,7 +26,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from .. import S3Reader, S3Writer, catalog
+from ... import S3Reader, S3Writer
+from .. import catalog
 
 __all__ = ["Batches", "TinyLM", "corpus", "train"]
 

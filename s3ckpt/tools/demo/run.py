@@ -13,10 +13,12 @@ from typing import Any
 
 import torch
 
-from .. import S3Config, bridge, catalog
-from ..config import parse_s3_url
-from ..errors import ObjectNotFound
-from ..transfer import Transfer, get_transfer
+from ... import S3Config
+from ...config import parse_s3_url
+from ...engine import bridge
+from ...engine.store import Transfer, get_transfer
+from ...errors import ObjectNotFound
+from .. import catalog
 from . import report
 from .child import Child, DemoError
 

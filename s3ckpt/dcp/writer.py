@@ -9,7 +9,7 @@ How DCP drives it (torch 2.13; see ``torch/distributed/checkpoint/storage.py``):
 3. every rank: ``write_data`` packs its items into a few objects balanced by size and uploads them
    concurrently; if anything fails it aborts its multipart uploads and deletes what it wrote;
 4. coordinator, only when every rank succeeded: ``finish`` checks that every object is stored,
-   then writes ``.metadata`` with one PUT — the commit (`s3ckpt.commit`). Without ``overwrite``
+   then writes ``.metadata`` with one PUT — the commit (`s3ckpt.dcp.commit`). Without ``overwrite``
    the PUT is conditional (``If-None-Match: *``) so that of two concurrent saves at most one
    commits; with it, the old checkpoint's objects are deleted after the commit. A commit that
    certainly failed deletes the save's objects; one whose outcome is unknown deletes nothing.
@@ -21,7 +21,7 @@ Data objects of a multi-rank save whose other ranks failed are not referenced by
 ``.metadata`` and are left for garbage collection.
 
 The writer is also DCP's stager (``dcp.async_save`` uses it when no ``async_stager`` is given): it
-copies the state into CPU buffers kept across saves (see `s3ckpt.staging`). One save runs at a
+copies the state into CPU buffers kept across saves (see `s3ckpt.dcp.staging`). One save runs at a
 time per writer: a new save on it first waits until the previous one has finished.
 """
 
@@ -50,17 +50,18 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from . import bridge, layout
+from ..config import MiB, S3Config
+from ..engine import bridge
+from ..engine.store import Transfer, gather_or_cancel, get_transfer
+from ..errors import CheckpointExists, ConfigError, S3CkptError
+from ..format import layout
+from ..format.frames import FrameTable
+from ..format.layout import Location
+from ..format.packing import Packed, assign_objects, element_size
+from ..format.record import Locator, encode
+from ..format.tensorbytes import as_flat_bytes
 from .commit import Lease, commit, delete_quietly
-from .config import MiB, S3Config
-from .errors import CheckpointExists, ConfigError, S3CkptError
-from .frames import FrameTable
-from .layout import Location
-from .metadata import Locator, encode
-from .packing import Packed, element_size
 from .staging import StagingBuffers
-from .tensorbytes import as_flat_bytes
-from .transfer import Transfer, gather_or_cancel, get_transfer
 
 __all__ = ["S3Writer"]
 
@@ -218,7 +219,7 @@ class S3Writer(StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         rank_plan: _RankPlan = plan.storage_data
         sizes = [_planned_size(item) for item in plan.items]
-        owner = layout.pack(sizes, self.objects_per_rank, self.config.part_size)
+        owner = assign_objects(sizes, self.objects_per_rank, self.config.part_size)
         objects: dict[int, list[tuple[WriteItem, torch.Tensor | bytes]]] = {}
         for item, obj in zip(plan.items, owner, strict=True):
             data = planner.resolve_data(item)

@@ -1,6 +1,6 @@
 """Typed access to parsed JSON whose every error names where it is. No I/O.
 
-The commit record is checked field by field as it is decoded (`s3ckpt.metadata`); these helpers
+The commit record is checked field by field as it is decoded (`s3ckpt.format.record`); these helpers
 raise `Invalid` with the field's path (``state_dict['w'].chunks[0].sizes[1]: expected ...``),
 which the decoder turns into one MetadataError.
 """

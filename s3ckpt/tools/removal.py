@@ -1,10 +1,10 @@
-"""Delete checkpoints safely: what ``s3ckpt rm/prune/gc`` do (import them from `s3ckpt.catalog`).
+"""Delete checkpoints safely: what ``s3ckpt rm/prune/gc`` do (import them from `s3ckpt.tools.catalog`).
 
 Removal deletes ``.metadata`` first, so a checkpoint stops being loadable at once and a crash
 midway leaves only unreferenced objects, which `gc` finds later. `gc` judges each save
 (``data-<id>/``) as a whole, by its newest object or uploaded part, so a save that is still
 running somewhere is left alone even if it started long ago. No removal touches a save whose
-lease is live (`s3ckpt.commit`), whatever ``older_than`` says, nor a checkpoint whose
+lease is live (`s3ckpt.dcp.commit`), whatever ``older_than`` says, nor a checkpoint whose
 ``.metadata`` it cannot read: what that record references is unknown.
 
 Removals plan, then call ``confirm`` (in the caller's thread) with what they would remove, and
@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from . import bridge, scan
-from .config import S3Config
-from .errors import (
+from ..config import S3Config
+from ..engine import bridge
+from ..engine.store import Transfer
+from ..errors import (
     AccessDenied,
     CheckpointNotFound,
     ConfigError,
@@ -29,9 +30,9 @@ from .errors import (
     ObjectNotFound,
     StorageError,
 )
-from .layout import Location
+from ..format.layout import Location
+from . import scan
 from .scan import CheckpointInfo, Progress, StoredObject, Upload
-from .transfer import Transfer
 
 __all__ = ["GcReport", "Removal", "delete", "gc", "prune"]
 

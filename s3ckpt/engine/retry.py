@@ -28,7 +28,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from .errors import EndpointUnreachable, StorageError
+from ..errors import EndpointUnreachable, StorageError
 
 __all__ = ["REPEAT_LIMIT", "RetryPolicy", "is_repeat_limited", "is_transient"]
 

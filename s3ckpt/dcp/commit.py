@@ -27,8 +27,9 @@ import os
 import socket
 from collections.abc import AsyncIterator, Iterable, Mapping
 
-from . import layout
-from .errors import (
+from ..engine.retry import RetryPolicy
+from ..engine.store import Transfer, gather_or_cancel
+from ..errors import (
     CheckpointExists,
     CommitOutcomeUnknown,
     IncompleteCheckpoint,
@@ -38,10 +39,9 @@ from .errors import (
     S3CkptError,
     StorageError,
 )
-from .layout import Location
-from .metadata import check_record_size, decode
-from .retry import RetryPolicy
-from .transfer import Transfer, gather_or_cancel
+from ..format import layout
+from ..format.layout import Location
+from ..format.record import check_record_size, decode
 
 __all__ = ["Lease", "commit", "delete_quietly", "may_have_applied"]
 

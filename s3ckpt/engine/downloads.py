@@ -16,10 +16,10 @@ from typing import Any
 
 import botocore.exceptions
 
+from ..errors import ChecksumMismatch, StorageError
+from ..format.frames import FrameCheck, FrameTable
 from .buffers import Scatter
-from .errors import ChecksumMismatch, StorageError
-from .frames import FrameCheck, FrameTable
-from .requests import Requests
+from .calls import Requests
 from .retry import RetryPolicy
 
 __all__ = ["Downloads"]
@@ -267,7 +267,7 @@ class Downloads(Requests):
 
     def _failed_get(self, bucket: str, key: str, code: str, what: str) -> StorageError:
         """A GET whose answer is wrong in a way the client sees (``code`` says how it is
-        retried, see `s3ckpt.retry`)."""
+        retried, see `s3ckpt.engine.retry`)."""
         return StorageError(
             f"get_object s3://{bucket}/{key} at {self.endpoint}: {what}",
             endpoint=self.endpoint,

@@ -1,6 +1,6 @@
 """The demo: train a small LM with async checkpoints to S3, kill it mid-upload, resume exactly.
 
-``python -m s3ckpt.demo`` (``make demo``). With no endpoint configured (``--endpoint-url`` or
+``python -m s3ckpt.tools.demo`` (``make demo``). With no endpoint configured (``--endpoint-url`` or
 ``AWS_ENDPOINT_URL[_S3]``) it starts a local SeaweedFS server and stops it at the end. The story:
 
 1. a training process (`train`) checkpoints every few steps with ``dcp.async_save`` through one
@@ -24,7 +24,7 @@ import os
 import tempfile
 from collections.abc import Iterator
 
-from ..config import S3Config
+from ...config import S3Config
 from .child import DemoError
 from .run import Demo
 from .train import train
@@ -37,7 +37,7 @@ _FOREIGN = ("AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_DEFAULT_PROFILE")
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m s3ckpt.demo",
+        prog="python -m s3ckpt.tools.demo",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

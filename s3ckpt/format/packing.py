@@ -1,4 +1,5 @@
-"""How one rank's items become the bytes of an object. No I/O.
+"""How a rank's items are packed: which object holds each (`assign_objects`), and how one
+object's bytes are laid out (`Packed`). No I/O.
 
 Items are stored back to back, each starting at a multiple of 8 bytes (zeros in between), so that
 a frame cut from a tensor's bytes starts on an element boundary and a byte-plane shuffle lines up
@@ -10,6 +11,8 @@ buffer (copying from accelerator memory if need be).
 from __future__ import annotations
 
 import bisect
+import heapq
+from collections.abc import Sequence
 
 import torch
 
@@ -17,7 +20,7 @@ from . import frames
 from .frames import FrameTable
 from .tensorbytes import memory_of
 
-__all__ = ["ALIGN", "Packed", "element_size"]
+__all__ = ["ALIGN", "Packed", "assign_objects", "element_size"]
 
 ALIGN = 8
 
@@ -119,3 +122,21 @@ class Packed:
         itemsize = self.shuffle_size(start, end) if shuffle else None
         stored, codec = frames.encode(raw, level, itemsize)
         return stored, codec, frames.checksum(stored)
+
+
+def assign_objects(sizes: Sequence[int], max_objects: int, min_object_size: int) -> list[int]:
+    """Assign items to objects so that object sizes are balanced; returns each item's object.
+
+    Uses as many objects as make them at least ``min_object_size`` (at most ``max_objects``, at
+    least one), so small states do not scatter into tiny objects. Largest items go first to the
+    lightest object (LPT), which keeps the heaviest object within 4/3 of the optimum.
+    """
+    total = sum(sizes)
+    count = max(1, min(max_objects, total // max(1, min_object_size)))
+    heap = [(0, i) for i in range(count)]
+    assignment = [0] * len(sizes)
+    for item in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        load, obj = heapq.heappop(heap)
+        assignment[item] = obj
+        heapq.heappush(heap, (load + sizes[item], obj))
+    return assignment

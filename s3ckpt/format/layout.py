@@ -1,23 +1,21 @@
-"""Where a checkpoint's objects live, and how a rank's items are packed into them. No I/O.
+"""Where a checkpoint's objects live: the commit record, data objects and leases. No I/O.
 
 A checkpoint at ``prefix`` is the commit record ``prefix/.metadata`` plus data objects
 ``prefix/data-<save_id>/<rank>-<n>``. Every save draws a fresh ``save_id``, so a save never writes
 an object that a committed checkpoint references: replacing a checkpoint is one PUT of
 ``.metadata``, and a save that dies leaves only objects that no ``.metadata`` names. While a save
 runs, its lease ``prefix/data-<save_id>/.lease`` is rewritten every ``LEASE_TTL / 4`` seconds;
-removals leave a save alone while its lease is younger than ``LEASE_TTL`` (see `s3ckpt.commit`).
+removals leave a save alone while its lease is younger than ``LEASE_TTL`` (see `s3ckpt.dcp.commit`).
 """
 
 from __future__ import annotations
 
 import hashlib
-import heapq
 import re
 import secrets
-from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .config import parse_s3_url
+from ..config import parse_s3_url
 
 __all__ = [
     "LEASE_NAME",
@@ -27,7 +25,6 @@ __all__ = [
     "data_key",
     "lease_key",
     "new_save_id",
-    "pack",
     "rank_of",
     "spread_digits",
 ]
@@ -122,21 +119,3 @@ def spread_digits(objects: int) -> int:
     while digits < 4 and 16**digits < objects:
         digits += 1
     return digits
-
-
-def pack(sizes: Sequence[int], max_objects: int, min_object_size: int) -> list[int]:
-    """Assign items to objects so that object sizes are balanced; returns each item's object.
-
-    Uses as many objects as make them at least ``min_object_size`` (at most ``max_objects``, at
-    least one), so small states do not scatter into tiny objects. Largest items go first to the
-    lightest object (LPT), which keeps the heaviest object within 4/3 of the optimum.
-    """
-    total = sum(sizes)
-    count = max(1, min(max_objects, total // max(1, min_object_size)))
-    heap = [(0, i) for i in range(count)]
-    assignment = [0] * len(sizes)
-    for item in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-        load, obj = heapq.heappop(heap)
-        assignment[item] = obj
-        heapq.heappush(heap, (load + sizes[item], obj))
-    return assignment

@@ -4,7 +4,7 @@ A checkpoint is a "directory" holding ``.metadata`` (committed) or only ``data-<
 save that failed or is still running). Discovery goes one level deep with ``Delimiter="/"``, so a
 parent prefix costs a listing page per 1000 children plus one small GET per checkpoint, never a
 listing of the bucket. Everything here is a coroutine for the `bridge` loop; the synchronous API
-is in `s3ckpt.catalog`.
+is in `s3ckpt.tools.catalog`.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any, TypeVar
 
-from . import layout
-from .client import map_error
-from .config import S3Config, parse_s3_url
-from .errors import MetadataError, ObjectNotFound
-from .layout import Location
-from .metadata import Checkpoint, check_record_size, decode
-from .transfer import Transfer, gather_or_cancel, get_transfer
+from ..config import S3Config, parse_s3_url
+from ..engine.clients import map_error
+from ..engine.store import Transfer, gather_or_cancel, get_transfer
+from ..errors import MetadataError, ObjectNotFound
+from ..format import layout
+from ..format.layout import Location
+from ..format.record import Checkpoint, check_record_size, decode
 
 __all__ = [
     "CheckpointInfo",

@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from .errors import MetadataError
+from ..errors import MetadataError
 from .frames import FrameTable
 from .jsoncheck import (
     Invalid,

@@ -19,15 +19,12 @@ import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, Protocol, TypeVar
 
+from ..config import ResolvedConfig, S3Config
+from ..errors import ObjectNotFound, StorageError
 from . import wire
 from .buffers import PartBuffers
-from .config import ResolvedConfig, S3Config
+from .calls import TransferStats
 from .downloads import Downloads
-from .errors import (
-    ObjectNotFound,
-    StorageError,
-)
-from .requests import TransferStats
 from .retry import RetryPolicy
 
 __all__ = ["Payload", "Transfer", "TransferStats", "gather_or_cancel", "get_transfer"]

@@ -1,8 +1,8 @@
 """Requests to the object store: clients, the concurrency bound, retries, and small operations.
 
-`Requests` is the base of the transfer engine (`s3ckpt.transfer.Transfer`): every S3 call goes
-through `Requests._call`, which maps errors (one place: `s3ckpt.client.map_error`), counts, and
-retries as `s3ckpt.retry` says. The small bucket operations that tools, the commit and garbage
+`Requests` is the base of the transfer engine (`s3ckpt.engine.store.Transfer`): every S3 call goes
+through `Requests._call`, which maps errors (one place: `s3ckpt.engine.clients.map_error`), counts, and
+retries as `s3ckpt.engine.retry` says. The small bucket operations that tools, the commit and garbage
 collection need live here; moving data lives in `downloads` and `transfer`.
 """
 
@@ -17,15 +17,15 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from .client import ClientHolder, map_error
-from .config import ResolvedConfig
-from .errors import AccessDenied, BucketNotFound, ObjectNotFound, StorageError
+from ..config import ResolvedConfig
+from ..errors import AccessDenied, BucketNotFound, ObjectNotFound, StorageError
+from .clients import ClientHolder, map_error
 from .retry import RetryPolicy, is_repeat_limited, is_transient
 
 __all__ = ["Requests", "TransferStats"]
 
 T = TypeVar("T")
-log = logging.getLogger("s3ckpt.transfer")
+log = logging.getLogger("s3ckpt.engine.store")
 
 
 @dataclass
@@ -71,7 +71,7 @@ class Requests:
         on_failure: Callable[[StorageError], None] | None = None,
         **params: Any,
     ) -> Any:
-        """One S3 operation, retried as `s3ckpt.retry` says (or as ``retry`` says);
+        """One S3 operation, retried as `s3ckpt.engine.retry` says (or as ``retry`` says);
         ``on_failure`` sees every failed attempt (the commit asks whether any may have landed)."""
         policy = retry or self.retry
 

@@ -22,11 +22,11 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from . import bridge, ranges
-from . import frames as frames_codec
-from .buffers import Scatter
-from .config import MiB, S3Config
-from .errors import (
+from ..config import MiB, S3Config
+from ..engine import bridge
+from ..engine.buffers import Scatter
+from ..engine.store import Transfer, gather_or_cancel, get_transfer
+from ..errors import (
     CheckpointError,
     CheckpointNotFound,
     CheckpointReplaced,
@@ -37,12 +37,13 @@ from .errors import (
     StorageError,
     UnsafeCheckpoint,
 )
-from .frames import FrameCheck, FrameTable
-from .layout import Location
-from .metadata import Checkpoint, Locator, check_record_size, decode
-from .readplan import Fetch, Target, destinations, plan_fetches
-from .tensorbytes import memory_of
-from .transfer import Transfer, gather_or_cancel, get_transfer
+from ..format import frames as frames_codec
+from ..format import ranges
+from ..format.frames import FrameCheck, FrameTable
+from ..format.layout import Location
+from ..format.readplan import Fetch, Target, destinations, plan_fetches
+from ..format.record import Checkpoint, Locator, check_record_size, decode
+from ..format.tensorbytes import memory_of
 
 __all__ = ["S3Reader", "read_checkpoint"]
 

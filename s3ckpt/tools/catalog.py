@@ -1,7 +1,7 @@
 """Find, inspect, read and clean up checkpoints under a prefix: what the ``s3ckpt`` command does.
 
-Listing and ``latest`` go one level deep (see `s3ckpt.scan`); the removals (``delete``, ``prune``,
-``gc``) live in `s3ckpt.removal` and are importable from here. The functions are synchronous;
+Listing and ``latest`` go one level deep (see `s3ckpt.tools.scan`); the removals (``delete``, ``prune``,
+``gc``) live in `s3ckpt.tools.removal` and are importable from here. The functions are synchronous;
 the I/O runs on the `bridge` loop through the shared `Transfer`.
 """
 
@@ -16,15 +16,16 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from . import bridge, scan
-from .config import S3Config
-from .errors import CheckpointNotFound, IncompleteCheckpoint, S3CkptError
-from .layout import Location
-from .metadata import Checkpoint
-from .reader import S3Reader
+from ..config import S3Config
+from ..dcp.reader import S3Reader
+from ..engine import bridge
+from ..engine.store import Transfer
+from ..errors import CheckpointNotFound, IncompleteCheckpoint, S3CkptError
+from ..format.layout import Location
+from ..format.record import Checkpoint
+from . import scan
 from .removal import GcReport, Removal, delete, gc, prune
 from .scan import CheckpointInfo, Progress, Upload
-from .transfer import Transfer
 
 __all__ = [
     "CheckpointInfo",

@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from . import bridge
-from .config import S3Config
-from .errors import ChecksumMismatch
-from .frames import FrameCheck, FrameTable
-from .layout import Location
-from .reader import read_checkpoint
-from .transfer import Transfer, get_transfer
+from ..config import S3Config
+from ..dcp.reader import read_checkpoint
+from ..engine import bridge
+from ..engine.store import Transfer, get_transfer
+from ..errors import ChecksumMismatch
+from ..format.frames import FrameCheck, FrameTable
+from ..format.layout import Location
 
 __all__ = ["VerifyReport", "verify"]
 

@@ -1,0 +1,5 @@
+"""``python -m s3ckpt.tools.demo`` (``make demo``)."""
+
+from . import main
+
+raise SystemExit(main())
