@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.s3ckpt-installed
 
-.PHONY: venv test lint demo bench clean
+.PHONY: venv test test-fast lint demo bench clean
 
 venv: $(STAMP)
 
@@ -25,9 +25,14 @@ $(STAMP): pyproject.toml
 test: venv
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# Everything but the multi-process tests (torchrun, PROCESS mode, killed children).
+test-fast: venv
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 demo: venv
 	$(PY) -m s3ckpt.tools.demo

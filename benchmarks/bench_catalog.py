@@ -26,7 +26,7 @@ from botocore.config import Config
 from benchmarks.common import RESULTS, Endpoint, format_table, machine_info, median, s3_endpoint
 from s3ckpt import S3Config, S3Writer
 from s3ckpt.engine import bridge
-from s3ckpt.engine.store import get_transfer
+from s3ckpt.engine.store import get_store
 from s3ckpt.tools import catalog
 
 GOAL_S = 5.0
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         defaults = S3Config()
         config = ep.config(part_size=defaults.part_size, max_concurrency=defaults.max_concurrency)
         client = _client(ep, args.copy_threads)
-        bridge.run(get_transfer(config).create_bucket(args.bucket))
+        bridge.run(get_store(config).create_bucket(args.bucket))
         prefix = f"catalog-{int(time.time())}"
         url = f"s3://{args.bucket}/{prefix}"
         print(f"catalog benchmark: {args.count} checkpoints under {url}, {ep.server}", flush=True)

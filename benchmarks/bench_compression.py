@@ -51,6 +51,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._extension import ZStandard
 
 from s3ckpt import S3Reader, S3Writer
+from s3ckpt.checksums import StreamCheck, checksum
 from s3ckpt.config import MiB
 from s3ckpt.format import frames
 from s3ckpt.format.packing import element_size
@@ -482,7 +483,7 @@ def breakdown(tensors: Tensors, frame_size: int, level: int, repeat: int) -> dic
         "shuffle_numpy": lambda: [numpy_shuffle(f) for f in items],
         "zstd_compress_shuffled": lambda: [compressor.compress(s) for s in shuffled],
         "zstd_decompress": lambda: [decompressor.decompress(c) for c in compressed],
-        "crc32c": lambda: [frames.checksum(raw) for raw, _ in items],
+        "crc32c": lambda: [checksum(raw) for raw, _ in items],
     }
     shuffled = [s3ckpt_shuffle(f) for f in items]
     planes = [
@@ -585,14 +586,14 @@ class E2E:
 
     def load(self, prefix: str, dest: Tensors, *, verify: bool = True) -> dict[str, Any]:
         """Load into ``dest``; ``verify=False`` switches the frame checksums off (by patching
-        `FrameCheck`, which every read path goes through) to measure what they cost."""
+        `StreamCheck`, which every read path goes through) to measure what they cost."""
         for t in dest.values():  # touch the pages now, not while the load is timed
             t.view(torch.uint8).fill_(0xFF)
         reader = self._reader(prefix)
         ablation = (
             contextlib.nullcontext()
             if verify
-            else mock.patch.object(frames.FrameCheck, "feed", lambda *args: None)
+            else mock.patch.object(StreamCheck, "feed", lambda *args: None)
         )
         cpu = cpu_times()
         with ablation:
@@ -638,7 +639,7 @@ def checksum_seconds(buffer: memoryview, size: int, frame_size: int, repeat: int
 
     def run() -> None:
         for start in range(0, size, frame_size):
-            frames.checksum(buffer[start : min(start + frame_size, size)])
+            checksum(buffer[start : min(start + frame_size, size)])
 
     return statistics.median(_timed(run)[0] for _ in range(repeat))
 

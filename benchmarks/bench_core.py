@@ -187,8 +187,8 @@ class Bench:
         for case, views in (("raw_upload", src), ("raw_download", dst)):
             objects = {k: views[a:b] for k, (a, b) in zip(keys, ranges, strict=True)}
             requests, cpu, server = self.raw.requests, cpu_times(), self._server_cpu()
-            transfer = self.raw.upload if case == "raw_upload" else self.raw.download
-            seconds = self._await(transfer(self.args.bucket, objects))
+            store = self.raw.upload if case == "raw_upload" else self.raw.download
+            seconds = self._await(store(self.args.bucket, objects))
             out[case] = {
                 "case": case,
                 "seconds": seconds,

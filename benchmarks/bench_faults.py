@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from s3ckpt import S3Reader, S3Writer
 from s3ckpt.config import MiB, S3Config
-from s3ckpt.engine.store import get_transfer
+from s3ckpt.engine.store import get_store
 from s3ckpt.format import layout
 from s3ckpt.tools.catalog import gc
 from s3ckpt.tools.localserver import SeaweedFS
@@ -280,7 +280,7 @@ def run_cycles(
 
 
 def _stats(config: S3Config) -> dict[str, int]:
-    return dataclasses.asdict(get_transfer(config).stats)
+    return dataclasses.asdict(get_store(config).stats)
 
 
 def _delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
@@ -543,9 +543,9 @@ def _scenarios_ok(rows: list[dict[str, Any]]) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    # Every retry is a WARNING of s3ckpt.engine.store (hundreds here); the stats count them. The
+    # Every retry is a WARNING of s3ckpt.engine (hundreds here); the stats count them. The
     # writer's warnings (old objects not deleted...) still show.
-    logging.getLogger("s3ckpt.engine.store").setLevel(logging.ERROR)
+    logging.getLogger("s3ckpt.engine").setLevel(logging.ERROR)
     started = time.time()
     report: dict[str, Any] = {"machine": machine_info()}
     if args.only != "scenarios":

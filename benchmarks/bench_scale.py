@@ -13,7 +13,7 @@ timed by subclassing `S3Writer`/`S3Reader` and stamping their DCP hooks: plannin
 start until ``write_data`` is entered (storage setup, DCP's local and global planning and the plan
 exchange); ``finish`` runs on the coordinator, and its JSON encode is timed by wrapping
 ``s3ckpt.dcp.writer.encode`` in the worker process. Requests are deltas of each rank's
-``get_transfer(config).stats.requests``, summed over ranks; the bucket's checksum probe is done
+``get_store(config).stats.requests``, summed over ranks; the bucket's checksum probe is done
 before measuring. One repetition per point: on a shared 2-core machine treat +-20% as noise.
 
     python -m benchmarks.bench_scale                           # all axes, default points
@@ -63,7 +63,7 @@ import s3ckpt.dcp.writer as writer_module
 from s3ckpt import S3Config, S3Reader, S3Writer
 from s3ckpt.config import MiB
 from s3ckpt.engine import bridge
-from s3ckpt.engine.store import get_transfer
+from s3ckpt.engine.store import get_store
 from s3ckpt.format.layout import Location
 from s3ckpt.format.packing import assign_objects as pack
 from s3ckpt.tools.localserver import free_port
@@ -312,11 +312,11 @@ def rank_main(rank: int, world: int, port: int, point: Point, out_dir: str) -> N
 
 
 def _rank_run(rank: int, point: Point) -> dict[str, Any]:
-    transfer = get_transfer(point.config)
+    store = get_store(point.config)
     # A training job saves repeatedly: start the client and settle the bucket's checksum
     # probe before measuring, so the counts are those of a steady-state save.
-    bridge.run(transfer.check_bucket(point.bucket))
-    bridge.run(transfer.wire_mode(point.bucket, f"{point.prefix}/warmup-{rank}"))
+    bridge.run(store.check_bucket(point.bucket))
+    bridge.run(store.wire_mode(point.bucket, f"{point.prefix}/warmup-{rank}"))
     encodes: list[tuple[float, float, int]] = []
     install_encode_timer(encodes)
     build_started = time.perf_counter()
@@ -334,13 +334,13 @@ def _rank_run(rank: int, point: Point) -> dict[str, Any]:
         marks=marks,
     )
     dist.barrier()
-    requests = transfer.stats.requests
+    requests = store.stats.requests
     with RssSampler() as save_rss, profiled(point, rank, "save"):
         marks.reset()
         dcp.save(state, storage_writer=writer)
         marks("save_end")
     save: dict[str, Any] = {
-        "requests": transfer.stats.requests - requests,
+        "requests": store.stats.requests - requests,
         **_phases(
             marks,
             seconds=("", "save_end"),
@@ -360,8 +360,8 @@ def _rank_run(rank: int, point: Point) -> dict[str, Any]:
         **_rss(save_rss),
     }
     if rank == 0:
-        head = bridge.run(transfer.head(point.bucket, Location.of(point.url).metadata_key))
-        save["metadata_bytes"] = int(head["ContentLength"]) if head else None
+        head = bridge.run(store.head(point.bucket, Location.of(point.url).metadata_key))
+        save["metadata_bytes"] = head.size if head else None
     del state, writer
     gc.collect()
 
@@ -370,13 +370,13 @@ def _rank_run(rank: int, point: Point) -> dict[str, Any]:
     _apply_gc_mode(point.gc_mode)
     marks = Marks()
     dist.barrier()
-    requests = transfer.stats.requests
+    requests = store.stats.requests
     with RssSampler() as load_rss, profiled(point, rank, "load"):
         marks.reset()
         dcp.load(dest, storage_reader=TimedReader(point.url, config=point.config, marks=marks))
         marks("load_end")
     load = {
-        "requests": transfer.stats.requests - requests,
+        "requests": store.stats.requests - requests,
         **_phases(
             marks,
             seconds=("", "load_end"),
@@ -528,10 +528,10 @@ def combine(point: Point, ranks: list[dict[str, Any]]) -> dict[str, Any]:
 
 def delete_prefix(config: S3Config, bucket: str, prefix: str) -> None:
     """Remove what a point left (data objects and .metadata) so the server stays small."""
-    transfer = get_transfer(config)
-    keys = [key for key, _ in bridge.run(transfer.list_objects(bucket, prefix + "/"))]
+    store = get_store(config)
+    keys = [o.key for o in bridge.run(store.list_objects(bucket, prefix + "/")).objects]
     if keys:
-        bridge.run(transfer.delete(bucket, keys))
+        bridge.run(store.delete(bucket, keys))
 
 
 def default_timeout(point: Point) -> float:
@@ -758,7 +758,7 @@ def main(argv: list[str] | None = None) -> int:
     run = Run()
     with s3_endpoint(args.endpoint_url, args.access_key, args.secret_key, args.region) as ep:
         config = _config(args, ep)
-        bridge.run(get_transfer(config).create_bucket(args.bucket))
+        bridge.run(get_store(config).create_bucket(args.bucket))
         if args.profile:
             args.profile_dir.mkdir(parents=True, exist_ok=True)
         root = f"scale-{secrets.token_hex(4)}"

@@ -144,9 +144,9 @@ class S3ckptAdapter(Adapter):
         return S3Reader(self.target.bucket, config=self.config)
 
     def client_requests(self) -> int | None:
-        from s3ckpt.engine.store import get_transfer
+        from s3ckpt.engine.store import get_store
 
-        return get_transfer(self.config).stats.requests
+        return get_store(self.config).stats.requests
 
     def close(self, writer: StorageWriter) -> None:
         if isinstance(writer, S3Writer):

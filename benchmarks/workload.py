@@ -23,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from s3ckpt import S3Reader, S3Writer
 from s3ckpt.config import MiB, S3Config
 from s3ckpt.engine import bridge
-from s3ckpt.engine.store import get_transfer
+from s3ckpt.engine.store import get_store
 
 from .common import RssSampler, cpu_since, cpu_times
 
@@ -115,9 +115,9 @@ def run_case(
     timeout_s: float,
 ) -> dict[str, Any]:
     """One measured s3ckpt operation in this (fresh) process; returns its numbers."""
-    transfer = get_transfer(config)
+    store = get_store(config)
     # A training job checkpoints repeatedly: start the I/O loop and client before measuring.
-    bridge.run(transfer.check_bucket(bucket))
+    bridge.run(store.check_bucket(bucket))
     specs = state_specs(size_bytes)
     gc.collect()
     rss_empty = RssSampler().baseline
@@ -132,7 +132,7 @@ def run_case(
         first_stall = time.perf_counter() - started
         future.result(timeout=timeout_s)  # type: ignore[union-attr]
     gc.collect()
-    requests_before, cpu_before = transfer.stats.requests, cpu_times()
+    requests_before, cpu_before = store.stats.requests, cpu_times()
     stall = None
     with RssSampler() as rss:
         started = time.perf_counter()
@@ -154,7 +154,7 @@ def run_case(
         "bytes": state_bytes(specs),
         "tensors": len(specs),
         **cpu_since(cpu_before),
-        "requests": transfer.stats.requests - requests_before,
+        "requests": store.stats.requests - requests_before,
         "rss_empty": rss_empty,
         **rss.report(),
     }

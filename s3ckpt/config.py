@@ -44,14 +44,14 @@ class S3Config:
     """How to reach the object store, and how hard to push it.
 
     ``part_size x max_concurrency`` bounds the bytes held by in-flight requests per process.
-    A request that fails transiently is retried for ``retry_timeout`` seconds (capped backoff,
-    see `s3ckpt.engine.retry`): a store restarting or shedding load for a few seconds costs time, not
+    A request that fails transiently is retried for ``retry_timeout`` seconds (capped backoff, see
+    `s3ckpt.engine.retry`): a store restarting or shedding load for a few seconds costs time, not
     the save; ``max_attempts`` caps the attempts as well (``None``: as many as fit). A store that
     stays down fails a request after ``retry_timeout`` plus that attempt's own timeout. A GET must
     deliver its bytes at ``min_read_rate`` or better, with one ``read_timeout`` to spare, or the
     attempt is cut and resumed where it got (a third cut fails it). ``checksum`` is what uploads
-    carry so that the server refuses damaged bytes (see `s3ckpt.engine.wire`; ``auto`` asks each bucket
-    once).
+    carry so that the server refuses damaged bytes (see `s3ckpt.engine.wire`; ``auto`` asks each
+    bucket once).
     ``max_record_size`` is the largest commit record (``.metadata``) a load or a tool will read:
     a larger one is refused with MetadataError before its bytes are downloaded.
     """

@@ -24,7 +24,8 @@ why. All of them pickle, because DCP ships a failing rank's exception to the coo
 
 from __future__ import annotations
 
-from typing import Any
+import copy
+from typing import Any, TypeVar
 
 __all__ = [
     "AccessDenied",
@@ -47,14 +48,15 @@ __all__ = [
 ]
 
 
-class S3CkptError(Exception):
-    """Base class. ``str(e)`` is the whole message; extra context lives in attributes."""
+_E = TypeVar("_E", bound="S3CkptError")
 
-    def __init__(self, message: str, **context: Any) -> None:
+
+class S3CkptError(Exception):
+    """Base class. ``str(e)`` is the whole message; the context is in typed attributes."""
+
+    def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
-        for name, value in context.items():
-            setattr(self, name, value)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Keyword-only context does not survive the default Exception pickling.
@@ -62,6 +64,14 @@ class S3CkptError(Exception):
 
     def __str__(self) -> str:
         return self.message
+
+    def reworded(self: _E, message: str) -> _E:
+        """The same error (type and context) with another message: one that says how far an
+        operation got, or how many such failures there were."""
+        error = copy.copy(self)
+        Exception.__init__(error, message)
+        error.message = message
+        return error
 
 
 def _rebuild(cls: type[S3CkptError], message: str, state: dict[str, Any]) -> S3CkptError:
@@ -78,9 +88,29 @@ class ConfigError(S3CkptError, ValueError):
 class StorageError(S3CkptError):
     """A request to the object store failed.
 
-    Attributes: ``endpoint``, ``bucket``, ``key`` (may be ``None``), ``operation``, ``code`` (the S3
-    error code or exception class) and ``status`` (HTTP status or ``None``).
+    ``operation`` is the S3 call, ``code`` the S3 error code or the client-side failure (an
+    exception class, or one of s3ckpt's: ``Truncated``, ``TooSlow``, ``SizeMismatch``,
+    ``ChecksumMismatch``, ``Undecodable``), ``status`` the HTTP status if there was an answer.
     """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        endpoint: str | None = None,
+        bucket: str | None = None,
+        key: str | None = None,
+        operation: str | None = None,
+        code: str | None = None,
+        status: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.endpoint = endpoint
+        self.bucket = bucket
+        self.key = key
+        self.operation = operation
+        self.code = code
+        self.status = status
 
 
 class EndpointUnreachable(StorageError):
@@ -104,15 +134,40 @@ class PreconditionFailed(StorageError):
 
 
 class ChecksumMismatch(StorageError):
-    """Bytes read from an object do not match their CRC32C in the commit record.
-
-    Attributes ``start`` and ``end`` (the byte range checked), ``expected`` and ``actual``.
+    """Bytes read from an object do not match their CRC32C in the commit record: bytes
+    ``start``-``end`` (exclusive) should have ``expected`` and have ``actual``.
     Retried like a transient failure (damage in transit); raised if it persists (damage at rest).
     """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        endpoint: str | None,
+        bucket: str,
+        key: str,
+        start: int,
+        end: int,
+        expected: int,
+        actual: int,
+    ) -> None:
+        super().__init__(
+            message,
+            endpoint=endpoint,
+            bucket=bucket,
+            key=key,
+            operation="get_object",
+            code="ChecksumMismatch",
+        )
+        self.start, self.end, self.expected, self.actual = start, end, expected, actual
 
 
 class CheckpointError(S3CkptError):
     """The checkpoint at ``url`` is missing, incomplete, or unusable."""
+
+    def __init__(self, message: str, *, url: str | None = None) -> None:
+        super().__init__(message)
+        self.url = url
 
 
 class CheckpointNotFound(CheckpointError):
@@ -125,15 +180,25 @@ class IncompleteCheckpoint(CheckpointError):
 
 class CheckpointReplaced(CheckpointError):
     """The record at the prefix changed while a load read it: an ``overwrite=True`` save (or a
-    removal) deleted the objects the load had planned. Attributes ``save_id`` (what the load
-    began on) and ``new_save_id`` (what the prefix holds now; ``None`` if nothing). Loading again
-    reads the new record."""
+    removal) deleted the objects the load had planned. ``save_id`` is what the load began on,
+    ``new_save_id`` what the prefix holds now (``None`` if nothing). Loading again reads the new
+    record."""
+
+    def __init__(
+        self, message: str, *, url: str, save_id: str | None, new_save_id: str | None
+    ) -> None:
+        super().__init__(message, url=url)
+        self.save_id, self.new_save_id = save_id, new_save_id
 
 
 class CommitOutcomeUnknown(CheckpointError):
     """The commit PUT may have been applied, but no answer says so and the record could not be
-    read back. Nothing was deleted. Attribute ``save_id``: if ``s3ckpt info`` shows it at
-    ``url``, the save committed; otherwise its objects are garbage for ``s3ckpt gc``."""
+    read back. Nothing was deleted. If ``s3ckpt info`` shows ``save_id`` at ``url``, the save
+    committed; otherwise its objects are garbage for ``s3ckpt gc``."""
+
+    def __init__(self, message: str, *, url: str, save_id: str) -> None:
+        super().__init__(message, url=url)
+        self.save_id = save_id
 
 
 class CheckpointExists(CheckpointError):
@@ -142,9 +207,15 @@ class CheckpointExists(CheckpointError):
 
 class UnsafeCheckpoint(CheckpointError):
     """A non-tensor value is a pickle that torch's ``weights_only`` unpickler refuses: loading it
-    could run code that whoever wrote the bucket chose. Attributes ``fqn`` (the value), ``bucket``
-    and ``key`` (the object holding it) and ``cause`` (what the check refused). Raised unless the
-    reader was given ``trust_pickles=True``."""
+    could run code that whoever wrote the bucket chose. ``fqn`` is the value, ``bucket`` and
+    ``key`` the object holding it, ``cause`` what the check refused. Raised unless the reader was
+    given ``trust_pickles=True``."""
+
+    def __init__(
+        self, message: str, *, url: str, fqn: str, bucket: str, key: str, cause: str
+    ) -> None:
+        super().__init__(message, url=url)
+        self.fqn, self.bucket, self.key, self.cause = fqn, bucket, key, cause
 
 
 class MetadataError(CheckpointError):

@@ -1,4 +1,4 @@
-"""One rank of a torchrun job for tests/test_torchrun.py: FSDP2 on CPU (gloo), DCP to S3.
+"""A torchrun rank for tests/integration/test_torchrun.py: FSDP2 on CPU (gloo), DCP to S3.
 
     python -m torch.distributed.run --standalone --nproc-per-node 4 tests/torchrun_worker.py \
         save s3://bucket/ck OUT_DIR --endpoint-url http://127.0.0.1:PORT

@@ -16,9 +16,12 @@ from typing import Any
 import torch
 
 from ..config import MiB, parse_s3_url
+from ..dcp.reads import run_all
 from ..engine import bridge
-from ..engine.store import Transfer, gather_or_cancel, get_transfer
+from ..engine.contract import ObjectStore
+from ..engine.store import get_store
 from ..errors import S3CkptError
+from ..format.readplan import Fetch, Target
 from ..tools import catalog
 from ..tools.verify import verify
 from .base import EXIT_OK, URL, Session, arg, command, human_size
@@ -103,19 +106,19 @@ def _mib(text: str) -> int:
 )
 def _bench(session: Session) -> int:
     config, size = session.config, session.args.size * MiB
-    transfer = get_transfer(config)
+    store = get_store(config)
     token = secrets.token_hex(6)
     if session.args.url is None:
         bucket, prefix, temporary = f"s3ckpt-bench-{token}", "", True
     else:
         (bucket, prefix), temporary = parse_s3_url(session.args.url), False
     key = f"{prefix}/s3ckpt-bench-{token}" if prefix else f"s3ckpt-bench-{token}"
-    where = f"s3://{bucket}/{key} at {transfer.endpoint}"
+    where = f"s3://{bucket}/{key} at {store.endpoint}"
     print(f"bench: writing {human_size(size)} to {where}, then reading it back", file=sys.stderr)
     payload = _Random(os.urandom(size))
-    result = bridge.run(_measure(transfer, bucket, key, payload, temporary))
+    result = bridge.run(_measure(store, bucket, key, payload, temporary))
     settings = {
-        "endpoint": transfer.endpoint,
+        "endpoint": store.endpoint,
         "part_size": config.part_size,
         "multipart_threshold": config.multipart_threshold,
         "max_concurrency": config.max_concurrency,
@@ -123,7 +126,7 @@ def _bench(session: Session) -> int:
         "object": f"s3://{bucket}/{key}",
     }
     lines = [
-        f"endpoint:  {transfer.endpoint}",
+        f"endpoint:  {store.endpoint}",
         f"settings:  part size {human_size(config.part_size)}, max concurrency "
         f"{config.max_concurrency}, multipart threshold {human_size(config.multipart_threshold)}",
     ]
@@ -155,32 +158,28 @@ class _Random:
 
 
 async def _measure(
-    transfer: Transfer, bucket: str, key: str, payload: _Random, temporary: bool
+    store: ObjectStore, bucket: str, key: str, payload: _Random, temporary: bool
 ) -> dict[str, dict[str, float]]:
     """Upload, then read back with one ranged GET per part (as loads do), checking the bytes.
     The object, and a temporary bucket, are deleted whatever happens."""
     if temporary:
-        await transfer.create_bucket(bucket)
+        await store.create_bucket(bucket)
     try:
         started = time.perf_counter()
-        await transfer.upload(bucket, key, payload)
+        await store.upload(bucket, key, payload)
         upload_s = time.perf_counter() - started
         sink = memoryview(bytearray(payload.size))
-        step = transfer.config.part_size
+        step = store.config.part_size
         ranges = [(at, min(at + step, payload.size)) for at in range(0, payload.size, step)]
-
-        async def fetch(start: int, end: int) -> None:
-            async with transfer.slot():
-                await transfer.get_scattered(bucket, key, start, end, [(start, sink[start:end])])
-
+        plan = [Fetch(key, s, e, [Target(0, key, s, e, sink=sink[s:e])]) for s, e in ranges]
         started = time.perf_counter()
-        await gather_or_cancel(fetch(start, end) for start, end in ranges)
+        await run_all(store, bucket, plan, {})
         download_s = time.perf_counter() - started
         if sink != payload.data:
             raise S3CkptError(f"s3://{bucket}/{key}: the bytes read back differ from those sent")
     finally:
-        await asyncio.shield(_clean_up(transfer, bucket, key, temporary))
-    parts = len(ranges) if payload.size > transfer.config.multipart_threshold else 1
+        await asyncio.shield(_clean_up(store, bucket, key, temporary))
+    parts = len(ranges) if payload.size > store.config.multipart_threshold else 1
     return {
         "upload": _phase(payload.size, upload_s, parts),
         "download": _phase(payload.size, download_s, len(ranges)),
@@ -191,7 +190,7 @@ def _phase(size: int, seconds: float, requests: int) -> dict[str, float]:
     return {"seconds": seconds, "mb_per_s": size / _MB / seconds, "requests": requests}
 
 
-async def _clean_up(transfer: Transfer, bucket: str, key: str, temporary: bool) -> None:
-    await transfer.delete(bucket, [key])
+async def _clean_up(store: ObjectStore, bucket: str, key: str, temporary: bool) -> None:
+    await store.delete(bucket, [key])
     if temporary:
-        await transfer._call("delete_bucket", bucket, None)
+        await store.delete_bucket(bucket)

@@ -27,21 +27,22 @@ import os
 import socket
 from collections.abc import AsyncIterator, Iterable, Mapping
 
+from ..engine.bridge import gather_or_cancel
+from ..engine.contract import ObjectStore
 from ..engine.retry import RetryPolicy
-from ..engine.store import Transfer, gather_or_cancel
 from ..errors import (
     CheckpointExists,
     CommitOutcomeUnknown,
     IncompleteCheckpoint,
     MetadataError,
-    ObjectNotFound,
     PreconditionFailed,
     S3CkptError,
     StorageError,
 )
 from ..format import layout
 from ..format.layout import Location
-from ..format.record import check_record_size, decode
+from ..format.record import decode
+from .prefix import read_record
 
 __all__ = ["Lease", "commit", "delete_quietly", "may_have_applied"]
 
@@ -56,17 +57,16 @@ _NOT_SENT_CODES = {"ConnectTimeoutError", "SSLError"}
 
 def may_have_applied(error: StorageError) -> bool:
     """Whether the server may have carried out the request although the client saw ``error``."""
-    status = getattr(error, "status", None)
-    if isinstance(status, int):
-        return not (400 <= status < 500 or status in _NOT_APPLIED_STATUS)
-    return getattr(error, "code", None) not in _NOT_SENT_CODES
+    if error.status is not None:
+        return not (400 <= error.status < 500 or error.status in _NOT_APPLIED_STATUS)
+    return error.code not in _NOT_SENT_CODES
 
 
 class Lease:
     """A save's announcement that it runs, rewritten while `held` so that removals spare it."""
 
-    def __init__(self, transfer: Transfer, location: Location, save_id: str) -> None:
-        self.transfer = transfer
+    def __init__(self, store: ObjectStore, location: Location, save_id: str) -> None:
+        self.store = store
         self.bucket = location.bucket
         self.key = location.key(layout.lease_key(save_id))
         owner = {"save_id": save_id, "host": socket.gethostname(), "pid": os.getpid()}
@@ -74,7 +74,7 @@ class Lease:
 
     @contextlib.asynccontextmanager
     async def held(self) -> AsyncIterator[None]:
-        await self.transfer.put(self.bucket, self.key, self._body)
+        await self.store.put(self.bucket, self.key, self._body)
         refresher = asyncio.ensure_future(self._refresh())
         try:
             yield
@@ -86,18 +86,16 @@ class Lease:
         while True:
             await asyncio.sleep(layout.LEASE_TTL / 4)
             try:
-                await self.transfer.put(self.bucket, self.key, self._body)
+                await self.store.put(self.bucket, self.key, self._body)
             except S3CkptError as e:
                 log.warning("s3://%s/%s: lease not refreshed: %s", self.bucket, self.key, e)
 
     async def release(self) -> None:
-        await delete_quietly(
-            self.transfer, self.bucket, [self.key], "the lease of a saved checkpoint"
-        )
+        await delete_quietly(self.store, self.bucket, [self.key], "the lease of a saved checkpoint")
 
 
 async def commit(
-    transfer: Transfer,
+    store: ObjectStore,
     location: Location,
     record: bytes,
     objects: Mapping[str, int],
@@ -110,43 +108,43 @@ async def commit(
     With ``overwrite`` the checkpoint it replaces loses its data objects once the commit is
     certain. Raises `CommitOutcomeUnknown` when it cannot be known whether the record landed.
     """
-    limit = transfer.config.max_record_size
+    limit = store.config.max_record_size
     if len(record) > limit:  # readers with this config would refuse it: never commit that
-        await delete_quietly(transfer, location.bucket, objects, f"{location.url}: a failed save")
+        await delete_quietly(store, location.bucket, objects, f"{location.url}: a failed save")
         raise MetadataError(
             f"{location.metadata_url}: not committed: the record is {len(record)} bytes, over "
             f"S3Config.max_record_size ({limit}); raise it for the writer and every reader",
             url=location.metadata_url,
         )
-    await _confirm(transfer, location, objects)
-    previous = await _previous_objects(transfer, location) if overwrite else set()
-    refused = await _put_record(transfer, location, record, save_id=save_id, overwrite=overwrite)
+    await _confirm(store, location, objects)
+    previous = await _previous_objects(store, location) if overwrite else set()
+    refused = await _put_record(store, location, record, save_id=save_id, overwrite=overwrite)
     if refused is not None:
-        await delete_quietly(transfer, location.bucket, objects, f"{location.url}: a failed save")
+        await delete_quietly(store, location.bucket, objects, f"{location.url}: a failed save")
         raise refused
     stale = previous - set(objects)
     if stale:
         try:
-            await transfer.delete(location.bucket, stale)
+            await store.delete(location.bucket, sorted(stale))
         except S3CkptError as e:
             log.warning("%s: committed; old data objects not deleted: %s", location.url, e)
 
 
-async def _confirm(transfer: Transfer, location: Location, objects: Mapping[str, int]) -> None:
+async def _confirm(store: ObjectStore, location: Location, objects: Mapping[str, int]) -> None:
     """Every object is stored with its uploaded size, or the save's objects go and it raises."""
     bucket = location.bucket
 
     async def stored_size(key: str) -> int | None:
-        async with transfer.slot():
-            head = await transfer.head(bucket, key)
-        return None if head is None else int(head["ContentLength"])
+        async with store.slot():
+            head = await store.head(bucket, key)
+        return None if head is None else head.size
 
     sizes = await gather_or_cancel(stored_size(key) for key in objects)
     found = zip(objects.items(), sizes, strict=True)
     wrong = [(key, size, got) for (key, size), got in found if got != size]
     if not wrong:
         return
-    await delete_quietly(transfer, bucket, objects, f"{location.url}: a save that cannot commit")
+    await delete_quietly(store, bucket, objects, f"{location.url}: a save that cannot commit")
     key, size, got = wrong[0]
     state = "is missing" if got is None else f"holds {got} bytes, not {size}"
     raise IncompleteCheckpoint(
@@ -154,12 +152,11 @@ async def _confirm(transfer: Transfer, location: Location, objects: Mapping[str,
         f"after upload (s3://{bucket}/{key} {state}: deleted by a removal while the save ran?); "
         "the save's objects were deleted",
         url=location.url,
-        key=key,
     )
 
 
 async def _put_record(
-    transfer: Transfer, location: Location, record: bytes, *, save_id: str, overwrite: bool
+    store: ObjectStore, location: Location, record: bytes, *, save_id: str, overwrite: bool
 ) -> S3CkptError | None:
     """PUT the record: None once it certainly landed, the error when it certainly did not.
 
@@ -167,7 +164,7 @@ async def _put_record(
     retried, a PUT whose answers are lost would be resent for the whole retry window.
     """
     bucket, key = location.bucket, location.metadata_key
-    once = dataclasses.replace(transfer.retry, max_attempts=1)
+    once = dataclasses.replace(store.retry, max_attempts=1)
     doubts: list[StorageError] = []
 
     def failed(error: StorageError) -> None:
@@ -175,7 +172,7 @@ async def _put_record(
             doubts.append(error)
 
     async def put(retry: RetryPolicy | None) -> None:
-        await transfer.put(
+        await store.put(
             bucket, key, record, if_none_match=not overwrite, retry=retry, on_failure=failed
         )
 
@@ -186,10 +183,10 @@ async def _put_record(
         error = e
     if doubts or isinstance(error, PreconditionFailed):
         with contextlib.suppress(S3CkptError):  # resolved below, with retries
-            if await _read_back(transfer, location, once) == record:
+            if await _read_back(store, location, once) == record:
                 _log_read_back(location, error)
                 return None
-    if transfer.retry.should_retry(error, 1, 0.0):
+    if store.retry.should_retry(error, 1, 0.0):
         try:
             await put(None)
             return None
@@ -201,7 +198,7 @@ async def _put_record(
         "committed record references)."
     )
     try:
-        landed = await _read_back(transfer, location)
+        landed = await _read_back(store, location)
     except S3CkptError as e:
         raise CommitOutcomeUnknown(
             f"{location.url}: the commit's outcome is unknown ({error}), and reading the "
@@ -234,25 +231,17 @@ def _log_read_back(location: Location, error: StorageError) -> None:
 
 
 async def _read_back(
-    transfer: Transfer, location: Location, retry: RetryPolicy | None = None
+    store: ObjectStore, location: Location, retry: RetryPolicy | None = None
 ) -> bytes | None:
     """The record at ``location`` (None: there is none), refused over the configured size."""
-    limit, url = transfer.config.max_record_size, location.metadata_url
-    try:
-        return await transfer.get(
-            location.bucket,
-            location.metadata_key,
-            check_size=lambda size: check_record_size(size, limit, url),
-            retry=retry,
-        )
-    except ObjectNotFound:
-        return None
+    found = await read_record(store, location, retry)
+    return None if found is None else found[0]
 
 
-async def _previous_objects(transfer: Transfer, location: Location) -> set[str]:
+async def _previous_objects(store: ObjectStore, location: Location) -> set[str]:
     """Data keys of the committed checkpoint being replaced (to delete after the commit)."""
     try:
-        raw = await _read_back(transfer, location)
+        raw = await _read_back(store, location)
         previous = None if raw is None else decode(raw, url=location.metadata_url)
     except S3CkptError as e:
         log.warning("%s: replacing a record whose objects cannot be listed: %s", location.url, e)
@@ -260,12 +249,12 @@ async def _previous_objects(transfer: Transfer, location: Location) -> set[str]:
     return set() if previous is None else {location.key(key) for key in previous.objects}
 
 
-async def delete_quietly(transfer: Transfer, bucket: str, keys: Iterable[str], what: str) -> None:
+async def delete_quietly(store: ObjectStore, bucket: str, keys: Iterable[str], what: str) -> None:
     """Delete objects that certainly no record references; a failure is logged (gc finds them)."""
     keys = list(keys)
     if not keys:
         return
     try:
-        await asyncio.shield(transfer.delete(bucket, keys))
+        await asyncio.shield(store.delete(bucket, keys))
     except Exception as e:
         log.warning("could not delete %d objects of %s: %s", len(keys), what, e)

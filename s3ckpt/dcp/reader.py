@@ -11,7 +11,6 @@ otherwise they pass through a bounded buffer and a copy (which also moves them t
 
 from __future__ import annotations
 
-import asyncio
 import io
 from collections.abc import Callable
 from typing import Any
@@ -24,31 +23,29 @@ from torch.futures import Future
 
 from ..config import MiB, S3Config
 from ..engine import bridge
-from ..engine.buffers import Scatter
-from ..engine.store import Transfer, gather_or_cancel, get_transfer
+from ..engine.bridge import gather_or_cancel
 from ..errors import (
     CheckpointError,
-    CheckpointNotFound,
     CheckpointReplaced,
-    IncompleteCheckpoint,
     MetadataError,
     ObjectNotFound,
     S3CkptError,
     StorageError,
     UnsafeCheckpoint,
 )
-from ..format import frames as frames_codec
-from ..format import ranges
-from ..format.frames import FrameCheck, FrameTable
-from ..format.layout import Location
-from ..format.readplan import Fetch, Target, destinations, plan_fetches
-from ..format.record import Checkpoint, Locator, check_record_size, decode
+from ..format import readplan
+from ..format.frames import FrameTable
+from ..format.readplan import Fetch, Target, plan_fetches
+from ..format.record import Checkpoint, Locator
 from ..format.tensorbytes import memory_of
+from .adapter import AtLocation, to_torch_future
+from .prefix import read_prefix
+from .reads import run_all
 
-__all__ = ["S3Reader", "read_checkpoint"]
+__all__ = ["S3Reader"]
 
 
-class S3Reader(StorageReader):
+class S3Reader(AtLocation, StorageReader):
     """Load a DCP checkpoint from ``s3://bucket/prefix``.
 
     Args:
@@ -73,9 +70,8 @@ class S3Reader(StorageReader):
         max_gap: int = 1 * MiB,
         trust_pickles: bool = False,
     ) -> None:
-        super().__init__()
-        self.location = Location.of(bucket, prefix)
-        self.config = config or S3Config()
+        StorageReader.__init__(self)
+        AtLocation.__init__(self, bucket, prefix, config)
         self.max_gap = max_gap
         self.trust_pickles = trust_pickles
         self.checkpoint: Checkpoint | None = None
@@ -83,17 +79,8 @@ class S3Reader(StorageReader):
         self._locators: dict[MetadataIndex, Locator] = {}
         self._frames: dict[str, FrameTable] = {}
 
-    @property
-    def checkpoint_id(self) -> str:
-        return self.location.url
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | Any) -> bool:
-        return isinstance(checkpoint_id, str) and checkpoint_id.startswith("s3://")
-
     def reset(self, checkpoint_id: str | Any = None) -> None:
-        if checkpoint_id is not None:
-            self.location = self.location.moved_to(str(checkpoint_id))
+        self._move(checkpoint_id)
         self.checkpoint = None
 
     def read_metadata(self) -> Metadata:
@@ -147,7 +134,7 @@ class S3Reader(StorageReader):
         fetches = plan_fetches(
             targets, max_gap=self.max_gap, max_size=self.config.part_size, align=frames
         )
-        return bridge.to_torch_future(bridge.submit(self._read_all(fetches, remaining, finishers)))
+        return to_torch_future(bridge.submit(self._read_all(fetches, remaining, finishers)))
 
     async def _read_all(
         self,
@@ -155,9 +142,20 @@ class S3Reader(StorageReader):
         remaining: dict[int, int],
         finishers: dict[int, Callable[[], None]],
     ) -> None:
+        for number, count in remaining.items():
+            if count == 0:
+                finishers[number]()
+
+        def fetched(fetch: Fetch) -> None:
+            for target in fetch.targets:
+                remaining[target.item] -= 1
+                if remaining[target.item] == 0:
+                    finishers[target.item]()
+
+        tables = {self.location.key(k): t for k, t in self._frames.items()}
         try:
             await self._check_sizes(fetches)
-            await self._fetch_all(fetches, remaining, finishers)
+            await run_all(self._store, self.location.bucket, fetches, tables, fetched)
         except ObjectNotFound as e:
             raise await self._replaced(e) from e
 
@@ -176,17 +174,35 @@ class S3Reader(StorageReader):
             for fetch in fetches
             if sum(t.end - t.start for t in fetch.targets if t.sink is None) > self.config.part_size
         }
-        transfer, bucket = self._transfer, self.location.bucket
-        await gather_or_cancel(
-            transfer.check_size(bucket, key, sizes[key]) for key in sorted(large)
-        )
+        await gather_or_cancel(self._check_size(key, sizes[key]) for key in sorted(large))
 
-    @property
-    def _transfer(self) -> Transfer:
-        return get_transfer(self.config)
+    async def _check_size(self, key: str, size: int) -> None:
+        bucket = self.location.bucket
+        head = await self._store.head(bucket, key)
+        if head is None:
+            raise ObjectNotFound(
+                f"head_object s3://{bucket}/{key} at {self._store.endpoint}: no such object",
+                endpoint=self._store.endpoint,
+                bucket=bucket,
+                key=key,
+                operation="head_object",
+                code="NoSuchKey",
+                status=404,
+            )
+        if head.size != size:
+            raise StorageError(
+                f"get_object s3://{bucket}/{key} at {self._store.endpoint}: the object holds "
+                f"{head.size} bytes, not the {size} the commit recorded; it was truncated or "
+                "replaced after it was written",
+                endpoint=self._store.endpoint,
+                bucket=bucket,
+                key=key,
+                operation="get_object",
+                code="SizeMismatch",
+            )
 
     async def _read_checkpoint(self) -> Checkpoint:
-        return await read_checkpoint(self._transfer, self.location)
+        return (await read_prefix(self._store, self.location)).require()
 
     def _targets(
         self, number: int, item: ReadItem, planner: LoadPlanner
@@ -226,19 +242,19 @@ class S3Reader(StorageReader):
             dest.device.type == "cpu"
             and dest.dtype == dtype
             and dest.is_contiguous()
-            and ranges.is_exact(shape, offsets, lengths)
+            and readplan.is_exact(shape, offsets, lengths)
         ):
-            start, end = ranges.covering_range(shape, offsets, lengths, itemsize)
+            start, end = readplan.covering_range(shape, offsets, lengths, itemsize)
             if end == start:
                 return [], finish
             target = Target(number, key, base + start, base + end, sink=memory_of(dest))
             return [target], finish
 
         targets = []
-        for piece_offsets, piece_lengths in ranges.split_rect(
+        for piece_offsets, piece_lengths in readplan.split_rect(
             shape, offsets, lengths, itemsize, self.config.part_size
         ):
-            start, end = ranges.covering_range(shape, piece_offsets, piece_lengths, itemsize)
+            start, end = readplan.covering_range(shape, piece_offsets, piece_lengths, itemsize)
             region = dest
             for dim, (at, skip, n) in enumerate(
                 zip(piece_offsets, offsets, piece_lengths, strict=True)
@@ -274,44 +290,12 @@ class S3Reader(StorageReader):
                 cause=cause,
             ) from None
 
-    async def _fetch_all(
-        self,
-        fetches: list[Fetch],
-        remaining: dict[int, int],
-        finishers: dict[int, Callable[[], None]],
-    ) -> None:
-        transfer, bucket = self._transfer, self.location.bucket
-        loop = asyncio.get_running_loop()
-        frames = {self.location.key(k): t for k, t in self._frames.items()}
-        for number, count in remaining.items():
-            if count == 0:
-                finishers[number]()
-
-        async def one(fetch: Fetch) -> None:
-            table = frames[fetch.key]
-            async with transfer.slot():
-                segments, buffered = destinations(fetch)
-                if table.compressed:
-                    await _fetch_compressed(transfer, bucket, fetch, table, segments)
-                else:
-                    start, end = table.covering(fetch.start, fetch.end)
-                    check = FrameCheck(table, start)
-                    await transfer.get_scattered(bucket, fetch.key, start, end, segments, check)
-                if buffered:
-                    await loop.run_in_executor(None, _place_all, buffered)
-            for target in fetch.targets:
-                remaining[target.item] -= 1
-                if remaining[target.item] == 0:
-                    finishers[target.item]()
-
-        await gather_or_cancel(one(fetch) for fetch in fetches)
-
     async def _replaced(self, missing: ObjectNotFound) -> S3CkptError:
         """`CheckpointReplaced` if the record changed since the load began, else ``missing``."""
         began = None if self.checkpoint is None else self.checkpoint.save_id
         location = self.location
         try:
-            now: str | None = (await read_checkpoint(self._transfer, location)).save_id
+            now: str | None = (await read_prefix(self._store, location)).require().save_id
         except CheckpointError:  # none there now, or one that cannot be read
             now = None
         except S3CkptError:
@@ -321,7 +305,7 @@ class S3Reader(StorageReader):
         return CheckpointReplaced(
             f"{location.url} was replaced while it loaded: the load began on save {began}, the "
             f"prefix now holds {'save ' + now if now else 'no checkpoint'} "
-            f"(s3://{location.bucket}/{getattr(missing, 'key', None)} is gone); load again",
+            f"(s3://{location.bucket}/{missing.key} is gone); load again",
             url=location.url,
             save_id=began,
             new_save_id=now,
@@ -338,70 +322,6 @@ def _refusal(error: Exception) -> str:
     return f"{type(error).__name__}: {reason}"
 
 
-def _place_all(buffered: list[tuple[Target, memoryview]]) -> None:
-    for target, data in buffered:
-        if target.place is not None:
-            target.place(data)
-
-
-async def _fetch_compressed(
-    transfer: Transfer,
-    bucket: str,
-    fetch: Fetch,
-    table: FrameTable,
-    segments: list[tuple[int, memoryview]],
-) -> None:
-    """Fetch the frames holding a fetch's raw range, decode each in a worker thread, and
-    scatter its raw bytes to the destinations."""
-    scatter = Scatter(0, segments)
-
-    def place(number: int, stored: bytes) -> None:
-        start, size = number * table.frame_size, table.raw_length(number)
-        target = scatter.sole_view(start, start + size)
-        try:
-            raw = frames_codec.decode(stored, table.codecs[number], size, out=target)
-        except ValueError as e:
-            raise StorageError(
-                f"s3://{bucket}/{fetch.key} frame {number}: {e}",
-                bucket=bucket,
-                key=fetch.key,
-                endpoint=transfer.endpoint,
-                operation="decode",
-                code="Undecodable",
-                status=None,
-            ) from None
-        if target is None:
-            scatter.rewind(start)
-            scatter.write(raw)
-
-    wanted = table.frames(fetch.start, fetch.end)
-    await transfer.get_frames(bucket, fetch.key, table, wanted, place)
-
-
-async def read_checkpoint(transfer: Transfer, location: Location) -> Checkpoint:
-    """The commit record at ``location``, or an error that says why there is none."""
-    bucket, listing, url = location.bucket, location.listing_prefix, location.metadata_url
-    limit = transfer.config.max_record_size
-    try:
-        raw = await transfer.get(
-            bucket, location.metadata_key, check_size=lambda n: check_record_size(n, limit, url)
-        )
-    except ObjectNotFound:
-        found = [key for key, _ in await transfer.list_objects(bucket, listing, limit=1)]
-        found = found or [key for key, _ in await transfer.list_uploads(bucket, listing)]
-        if found:
-            raise IncompleteCheckpoint(
-                f"{location.url} is incomplete: objects or uploads exist (e.g. s3://{bucket}/"
-                f"{found[0]}) but no .metadata — a save failed, was killed, or is running",
-                url=location.url,
-            ) from None
-        raise CheckpointNotFound(
-            f"no checkpoint at {location.url}: nothing is stored under this prefix",
-            url=location.url,
-        ) from None
-    return decode(raw, url=url)
-
-
 class _Placer:
     """Copies the covering bytes of a row-major sub-rectangle into its (strided) destination."""
 
@@ -412,7 +332,7 @@ class _Placer:
         dtype: torch.dtype,
         dest: torch.Tensor,
     ) -> None:
-        self.strides = ranges.row_major_strides(shape)
+        self.strides = readplan.row_major_strides(shape)
         self.lengths = lengths
         self.dtype = dtype
         self.dest = dest

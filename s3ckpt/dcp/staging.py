@@ -52,6 +52,7 @@ class StagingBuffers:
                     self._pinned = on_accelerator and torch.cuda.is_available()
                     self._buffers = _create_cpu_state_dict(state_dict, pin_memory=self._pinned)
                     self._signature = signature
+                assert self._buffers is not None
                 staged = _copy_state_dict(
                     state_dict, self._buffers, non_blocking=self._pinned, type_check=False
                 )

@@ -52,14 +52,14 @@ from torch.futures import Future
 
 from ..config import MiB, S3Config
 from ..engine import bridge
-from ..engine.store import Transfer, gather_or_cancel, get_transfer
+from ..engine.bridge import gather_or_cancel
 from ..errors import CheckpointExists, ConfigError, S3CkptError
 from ..format import layout
 from ..format.frames import FrameTable
-from ..format.layout import Location
 from ..format.packing import Packed, assign_objects, element_size
 from ..format.record import Locator, encode
 from ..format.tensorbytes import as_flat_bytes
+from .adapter import AtLocation, to_torch_future
 from .commit import Lease, commit, delete_quietly
 from .staging import StagingBuffers
 
@@ -75,7 +75,7 @@ class _RankPlan:
     spread: int
 
 
-class S3Writer(StorageWriter):
+class S3Writer(AtLocation, StorageWriter):
     """Save a DCP checkpoint to ``s3://bucket/prefix``.
 
     Args:
@@ -114,13 +114,12 @@ class S3Writer(StorageWriter):
         compression_level: int = 1,
         shuffle: bool = True,
     ) -> None:
-        super().__init__()
+        StorageWriter.__init__(self)
+        AtLocation.__init__(self, bucket, prefix, config)
         if objects_per_rank < 1:
             raise ValueError(f"objects_per_rank must be >= 1, got {objects_per_rank}")
         if frame_size < 4096:
             raise ValueError(f"frame_size must be at least 4096 bytes, got {frame_size}")
-        self.location = Location.of(bucket, prefix)
-        self.config = config or S3Config()
         self.overwrite = overwrite
         self.objects_per_rank = objects_per_rank
         self.async_staging = async_staging
@@ -176,21 +175,12 @@ class S3Writer(StorageWriter):
             self._stager_thread.shutdown(wait=True)
             self._stager_thread = None
 
-    @property
-    def checkpoint_id(self) -> str:
-        return self.location.url
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | Any) -> bool:
-        return isinstance(checkpoint_id, str) and checkpoint_id.startswith("s3://")
-
     def reset(self, checkpoint_id: str | Any = None) -> None:
         # A save begins here when DCP has a checkpoint id for it (else in `storage_meta`): it
         # waits for the writer before moving it, so a second save cannot move the first.
         self._staging.save_started()
         self._reset_in = threading.current_thread()
-        if checkpoint_id is not None:
-            self.location = self.location.moved_to(str(checkpoint_id))
+        self._move(checkpoint_id)
         self._save_id = None
 
     def storage_meta(self) -> StorageMeta:
@@ -248,7 +238,7 @@ class S3Writer(StorageWriter):
                 stored = _Stored(Locator(relative, start, length))
                 results.append(WriteResult(item.index, length, stored))
         upload = self._upload(uploads, results, rank_plan.save_id)
-        return bridge.to_torch_future(bridge.submit(upload))
+        return to_torch_future(bridge.submit(upload))
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         locators: dict[MetadataIndex, Locator] = {}
@@ -273,17 +263,13 @@ class S3Writer(StorageWriter):
         objects = {self.location.key(key): table.size for key, table in frames.items()}
         bridge.run(self._commit(record, objects, self._save_id))
 
-    @property
-    def _transfer(self) -> Transfer:
-        return get_transfer(self.config)
-
     async def _check_destination(self) -> None:
         """Fail before any upload if the bucket is missing or a commit would be refused."""
-        transfer, location = self._transfer, self.location
-        await transfer.check_bucket(location.bucket)
+        store, location = self._store, self.location
+        await store.check_bucket(location.bucket)
         if self.overwrite:
             return
-        if await transfer.head(location.bucket, location.metadata_key) is not None:
+        if await store.head(location.bucket, location.metadata_key) is not None:
             raise CheckpointExists(
                 f"{self.checkpoint_id} already holds a committed checkpoint; "
                 "pass overwrite=True to replace it",
@@ -291,11 +277,11 @@ class S3Writer(StorageWriter):
             )
 
     async def _commit(self, record: bytes, objects: dict[str, int], save_id: str) -> None:
-        lease = Lease(self._transfer, self.location, save_id)
+        lease = Lease(self._store, self.location, save_id)
         try:
             async with lease.held():
                 await commit(
-                    self._transfer,
+                    self._store,
                     self.location,
                     record,
                     objects,
@@ -310,7 +296,7 @@ class S3Writer(StorageWriter):
     ) -> list[WriteResult]:
         """Upload the objects under the save's lease, checksumming their frames; the results
         carry the frame tables."""
-        lease = Lease(self._transfer, self.location, save_id)
+        lease = Lease(self._store, self.location, save_id)
         try:
             async with lease.held():
                 return await self._upload_all(uploads, results)
@@ -321,18 +307,18 @@ class S3Writer(StorageWriter):
     async def _upload_all(
         self, uploads: dict[str, Packed], results: list[WriteResult]
     ) -> list[WriteResult]:
-        transfer, bucket, loop = self._transfer, self.location.bucket, asyncio.get_running_loop()
+        store, bucket, loop = self._store, self.location.bucket, asyncio.get_running_loop()
         tables: dict[str, FrameTable] = {}
 
         async def one(relative: str, packed: Packed) -> None:
             key = self.location.key(relative)
             if self.compression is None:
                 checksums = loop.run_in_executor(None, packed.frame_table, self.frame_size)
-                await transfer.upload(bucket, key, packed)
+                await store.upload(bucket, key, packed)
                 tables[relative] = await checksums
                 return
             entries: list[tuple[int, int, int]] = []
-            await transfer.upload_stream(bucket, key, self._encoded(packed, entries))
+            await store.upload_stream(bucket, key, self._encoded(packed, entries))
             sizes, crcs, codecs = (tuple(entry[i] for entry in entries) for i in range(3))
             tables[relative] = FrameTable(self.frame_size, sizes, crcs, codecs, packed.size)
 
@@ -341,7 +327,7 @@ class S3Writer(StorageWriter):
         except BaseException:
             # Every key, not only finished ones: a cancelled PUT or Complete may still land.
             keys = [self.location.key(relative) for relative in uploads]
-            await delete_quietly(transfer, bucket, keys, f"{self.checkpoint_id}: a failed save")
+            await delete_quietly(store, bucket, keys, f"{self.checkpoint_id}: a failed save")
             raise
         # The coordinator learns each object's frame table from its first item's result.
         for result in results:

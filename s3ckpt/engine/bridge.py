@@ -16,12 +16,10 @@ import concurrent.futures
 import contextlib
 import os
 import threading
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
-import torch.futures
-
-__all__ = ["on_shutdown", "run", "submit", "to_torch_future"]
+__all__ = ["gather_or_cancel", "on_shutdown", "run", "submit"]
 
 T = TypeVar("T")
 
@@ -60,21 +58,6 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
         raise
 
 
-def to_torch_future(done: concurrent.futures.Future[T]) -> torch.futures.Future[T]:
-    """A torch Future (what DCP waits on) that completes as ``done`` does."""
-    future: torch.futures.Future[T] = torch.futures.Future()
-
-    def complete(cf: concurrent.futures.Future[T]) -> None:
-        error = concurrent.futures.CancelledError() if cf.cancelled() else cf.exception()
-        if error is None:
-            future.set_result(cf.result())
-        else:
-            future.set_exception(error)
-
-    done.add_done_callback(complete)
-    return future
-
-
 def on_shutdown(closer: Callable[[], Awaitable[None]]) -> None:
     """Register a coroutine function to await on the loop when the interpreter exits."""
     _closers.append(closer)
@@ -104,3 +87,15 @@ def _reset_after_fork() -> None:
 
 atexit.register(_shutdown)
 os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+async def gather_or_cancel(aws: Iterable[Awaitable[T]]) -> list[T]:
+    """Like ``asyncio.gather``, but the first failure cancels the rest and waits for them."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise

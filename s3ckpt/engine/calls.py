@@ -1,9 +1,9 @@
-"""Requests to the object store: clients, the concurrency bound, retries, and small operations.
+"""Calls to the object store: clients, the concurrency bound, retries, and small operations.
 
-`Requests` is the base of the transfer engine (`s3ckpt.engine.store.Transfer`): every S3 call goes
-through `Requests._call`, which maps errors (one place: `s3ckpt.engine.clients.map_error`), counts, and
-retries as `s3ckpt.engine.retry` says. The small bucket operations that tools, the commit and garbage
-collection need live here; moving data lives in `downloads` and `transfer`.
+`Calls` is the base of the engine's `S3Store`: every S3 call goes through `Calls._call`, which
+maps errors (one place: `clients.map_error`), counts, and retries as `retry` says. The small
+operations of the `contract` (HEAD, listings, deletes, buckets, aborts) live here; moving data
+lives in `downloads` and `store`.
 """
 
 from __future__ import annotations
@@ -11,46 +11,46 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import email.utils
 import itertools
 import logging
-from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import datetime, timezone
 from typing import Any, TypeVar
 
-from ..config import ResolvedConfig
+from ..config import ResolvedConfig, S3Config
 from ..errors import AccessDenied, BucketNotFound, ObjectNotFound, StorageError
 from .clients import ClientHolder, map_error
+from .contract import Listing, Part, Stats, StoredObject, Upload
 from .retry import RetryPolicy, is_repeat_limited, is_transient
 
-__all__ = ["Requests", "TransferStats"]
+__all__ = ["Calls"]
 
 T = TypeVar("T")
-log = logging.getLogger("s3ckpt.engine.store")
+log = logging.getLogger("s3ckpt.engine")
+_DELETE_BATCH = 1000  # the most keys one DeleteObjects takes
 
 
-@dataclass
-class TransferStats:
-    """Counters for one process and configuration; benchmarks and the tools read them."""
-
-    requests: int = 0
-    failed_requests: int = 0
-    retries: int = 0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-
-
-class Requests:
+class Calls:
     """S3 calls under one concurrency bound, for one resolved configuration, on the bridge loop."""
 
     def __init__(self, resolved: ResolvedConfig, retry: RetryPolicy | None = None) -> None:
         self.resolved = resolved
-        self.config = resolved.config
-        self.stats = TransferStats()
+        self._config = resolved.config
+        self._stats = Stats()
         self.retry = retry or RetryPolicy(self.config.max_attempts, self.config.retry_timeout)
         self._clients = [ClientHolder(resolved, url) for url in resolved.endpoint_urls or [None]]
         self._turn = itertools.count()
         self._slots: asyncio.Semaphore | None = None
         self._down_until = 0.0  # loop time until which the store counts as down (`_retrying`)
+
+    @property
+    def config(self) -> S3Config:
+        return self._config
+
+    @property
+    def stats(self) -> Stats:
+        return self._stats
 
     @property
     def endpoint(self) -> str:
@@ -153,56 +153,62 @@ class Requests:
                 return result
 
     def slot(self) -> asyncio.Semaphore:
-        """One of the ``max_concurrency`` request slots; hold it around `get_scattered`."""
+        """One of the ``max_concurrency`` request slots; hold it around `read_range`."""
         return self._semaphore()
 
-    async def head(self, bucket: str, key: str) -> dict[str, Any] | None:
-        """The object's headers, or ``None`` if it does not exist."""
+    async def head(self, bucket: str, key: str) -> StoredObject | None:
         try:
-            reply: dict[str, Any] = await self._call("head_object", bucket, key, Key=key)
+            reply = await self._call("head_object", bucket, key, Key=key)
         except ObjectNotFound:
             return None
-        return reply
+        modified = _utc(reply["LastModified"]) if "LastModified" in reply else _server_time(reply)
+        return StoredObject(key, int(reply["ContentLength"]), modified, str(reply.get("ETag")))
 
     async def check_bucket(self, bucket: str) -> None:
-        """Raise BucketNotFound if the bucket is missing (some servers would create it on PUT).
-
-        Credentials scoped to a prefix may not be allowed HeadBucket; that is not an error.
-        """
+        """Credentials scoped to a prefix may not be allowed HeadBucket; that is not an error."""
         with contextlib.suppress(AccessDenied):
             await self._call("head_bucket", bucket, None)
 
     async def create_bucket(self, bucket: str) -> None:
-        """Create the bucket unless it exists (tools and the demo; checkpoints never create one)."""
         try:
             await self.check_bucket(bucket)
         except BucketNotFound:
-            params = {}
+            params: dict[str, Any] = {}
             if self.resolved.region != "us-east-1":
                 params["CreateBucketConfiguration"] = {"LocationConstraint": self.resolved.region}
             await self._call("create_bucket", bucket, None, **params)
 
-    async def list_objects(
-        self, bucket: str, prefix: str, *, limit: int | None = None
-    ) -> list[tuple[str, int]]:
-        """``(key, size)`` of objects under ``prefix``, paginated; at most ``limit`` of them."""
-        found: list[tuple[str, int]] = []
-        token: dict[str, str] = {}
-        while True:
-            page_size = 1000 if limit is None else min(1000, limit - len(found))
-            reply = await self._call(
-                "list_objects_v2", bucket, prefix or None, Prefix=prefix, MaxKeys=page_size, **token
-            )
-            found.extend((o["Key"], int(o["Size"])) for o in reply.get("Contents", []))
-            if not reply.get("IsTruncated") or (limit is not None and len(found) >= limit):
-                return found
-            token = {"ContinuationToken": reply["NextContinuationToken"]}
+    async def delete_bucket(self, bucket: str) -> None:
+        await self._call("delete_bucket", bucket, None)
 
-    async def delete(self, bucket: str, keys: Iterable[str]) -> None:
-        """Delete keys in batches of 1000; raises if the server refused any of them."""
-        pending = sorted(set(keys))
-        for i in range(0, len(pending), 1000):
-            batch = pending[i : i + 1000]
+    async def list_objects(
+        self, bucket: str, prefix: str, *, delimiter: bool = False, limit: int | None = None
+    ) -> Listing:
+        objects: list[StoredObject] = []
+        prefixes: list[str] = []
+        params: dict[str, Any] = {"Delimiter": "/"} if delimiter else {}
+        now: datetime | None = None
+        while True:
+            size = 1000 if limit is None else min(1000, limit - len(objects))
+            reply = await self._call(
+                "list_objects_v2", bucket, prefix or None, Prefix=prefix, MaxKeys=size, **params
+            )
+            now = now or _server_time(reply)
+            objects += [
+                StoredObject(o["Key"], int(o["Size"]), _utc(o["LastModified"]))
+                for o in reply.get("Contents", [])
+            ]
+            prefixes += [p["Prefix"] for p in reply.get("CommonPrefixes", [])]
+            if not reply.get("IsTruncated") or (limit is not None and len(objects) >= limit):
+                return Listing(objects, prefixes, now)
+            params["ContinuationToken"] = reply["NextContinuationToken"]
+
+    async def delete(
+        self, bucket: str, keys: Sequence[str], *, deleted: Callable[[int], None] | None = None
+    ) -> None:
+        pending = list(dict.fromkeys(keys))
+        for i in range(0, len(pending), _DELETE_BATCH):
+            batch = pending[i : i + _DELETE_BATCH]
             reply = await self._call(
                 "delete_objects",
                 bucket,
@@ -221,18 +227,21 @@ class Requests:
                     key=first.get("Key"),
                     operation="delete_objects",
                     code=first.get("Code"),
-                    status=None,
                 )
+            if deleted is not None:
+                deleted(len(batch))
 
-    async def list_uploads(self, bucket: str, prefix: str) -> list[tuple[str, str]]:
-        """``(key, upload_id)`` of multipart uploads in progress under ``prefix``."""
-        found: list[tuple[str, str]] = []
-        markers: dict[str, str] = {}
+    async def list_uploads(self, bucket: str, prefix: str) -> list[Upload]:
+        found: list[Upload] = []
+        markers: dict[str, Any] = {}
         while True:
             reply = await self._call(
                 "list_multipart_uploads", bucket, prefix, Prefix=prefix, **markers
             )
-            found.extend((u["Key"], u["UploadId"]) for u in reply.get("Uploads", []))
+            found += [
+                Upload(u["Key"], u["UploadId"], _utc(u["Initiated"]))
+                for u in reply.get("Uploads", [])
+            ]
             if not reply.get("IsTruncated"):
                 return found
             markers = {
@@ -240,7 +249,56 @@ class Requests:
                 "UploadIdMarker": reply["NextUploadIdMarker"],
             }
 
-    async def abort(self, bucket: str, key: str, upload_id: str) -> None:
-        """Abort a multipart upload; failures are swallowed (gc finds what is left)."""
+    async def list_parts(self, bucket: str, upload: Upload) -> list[Part]:
+        parts: list[Part] = []
+        marker: dict[str, Any] = {}
+        while True:
+            try:
+                reply = await self._call(
+                    "list_parts",
+                    bucket,
+                    upload.key,
+                    Key=upload.key,
+                    UploadId=upload.upload_id,
+                    **marker,
+                )
+            except ObjectNotFound:  # completed or aborted meanwhile
+                return []
+            parts += [
+                Part(int(p["PartNumber"]), int(p["Size"]), _utc(p["LastModified"]))
+                for p in reply.get("Parts", [])
+            ]
+            if not reply.get("IsTruncated"):
+                return parts
+            marker = {"PartNumberMarker": reply["NextPartNumberMarker"]}
+
+    async def abort(self, bucket: str, upload: Upload) -> bool:
+        try:
+            await self._call(
+                "abort_multipart_upload",
+                bucket,
+                upload.key,
+                Key=upload.key,
+                UploadId=upload.upload_id,
+            )
+        except ObjectNotFound:  # completed or aborted since it was listed
+            return False
+        return True
+
+    async def _abort_quietly(self, bucket: str, key: str, upload_id: str) -> None:
+        """Abort an upload of ours that failed; failures are swallowed (gc finds what is left)."""
         with contextlib.suppress(StorageError):
             await self._call("abort_multipart_upload", bucket, key, Key=key, UploadId=upload_id)
+
+
+def _utc(when: datetime) -> datetime:
+    return when.astimezone(timezone.utc)
+
+
+def _server_time(reply: dict[str, Any]) -> datetime:
+    """The reply's Date, so that ages do not depend on this machine's clock."""
+    date = reply.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+    try:
+        return email.utils.parsedate_to_datetime(date)
+    except (TypeError, ValueError):
+        return datetime.now(timezone.utc)

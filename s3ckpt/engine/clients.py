@@ -105,7 +105,20 @@ def map_error(
     if isinstance(exc, StorageError):
         return exc
     where = f"s3://{bucket}/{key}" if key else f"s3://{bucket}"
-    context = {"endpoint": endpoint, "bucket": bucket, "key": key, "operation": operation}
+
+    def typed(
+        kind: type[StorageError], message: str, code: str, status: int | None
+    ) -> StorageError:
+        return kind(
+            message,
+            endpoint=endpoint,
+            bucket=bucket,
+            key=key,
+            operation=operation,
+            code=code,
+            status=status,
+        )
+
     if isinstance(exc, botocore.exceptions.ClientError):
         error = exc.response.get("Error", {})
         code = str(error.get("Code") or "")
@@ -114,58 +127,40 @@ def map_error(
         message = (
             f"{operation} {where} at {endpoint} failed: {code or 'HTTP ' + str(status)} ({detail})"
         )
-        context.update(code=code, status=status)
         if code == "NoSuchBucket" or (status == 404 and key is None):
-            return BucketNotFound(
-                f"bucket {bucket!r} does not exist at {endpoint} ({operation} {where})", **context
-            )
+            missing = f"bucket {bucket!r} does not exist at {endpoint} ({operation} {where})"
+            return typed(BucketNotFound, missing, code, status)
         if code in ("NoSuchKey", "NotFound") or (status == 404 and key is not None):
-            return ObjectNotFound(message, **context)
+            return typed(ObjectNotFound, message, code, status)
         if code in _ACCESS_CODES or status == 403:
-            return AccessDenied(
-                message + "; check the credentials and the bucket policy", **context
-            )
+            advice = "; check the credentials and the bucket policy"
+            return typed(AccessDenied, message + advice, code, status)
         if code in ("PreconditionFailed", "ConditionalRequestConflict") or status == 412:
-            return PreconditionFailed(message, **context)
-        return StorageError(message, **context)
+            return typed(PreconditionFailed, message, code, status)
+        return typed(StorageError, message, code, status)
+    name = type(exc).__name__
     if isinstance(
         exc, botocore.exceptions.NoCredentialsError | botocore.exceptions.PartialCredentialsError
     ):
-        return AccessDenied(
+        message = (
             f"{operation} {where} at {endpoint}: no AWS credentials found (set AWS_ACCESS_KEY_ID/"
-            "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or pass them in S3Config)",
-            code=type(exc).__name__,
-            status=None,
-            **context,
+            "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or pass them in S3Config)"
         )
+        return typed(AccessDenied, message, name, None)
     if isinstance(exc, botocore.exceptions.SSLError | ssl.SSLError) or _is_tls(exc):
-        return EndpointUnreachable(
+        message = (
             f"{operation} {where}: TLS verification with {endpoint} failed ({_cause(exc)}); "
-            "set S3Config(ca_bundle=...) or AWS_CA_BUNDLE to the CA that signed its certificate",
-            code="SSLError",
-            status=None,
-            **context,
+            "set S3Config(ca_bundle=...) or AWS_CA_BUNDLE to the CA that signed its certificate"
         )
+        return typed(EndpointUnreachable, message, "SSLError", None)
     if isinstance(exc, _TRUNCATED):
-        return StorageError(
-            f"{operation} {where} at {endpoint}: the response broke off ({_cause(exc)})",
-            code="Truncated",
-            status=None,
-            **context,
-        )
+        message = f"{operation} {where} at {endpoint}: the response broke off ({_cause(exc)})"
+        return typed(StorageError, message, "Truncated", None)
     if isinstance(exc, _UNREACHABLE):
-        return EndpointUnreachable(
-            f"{operation} {where}: connection to {endpoint} failed ({_cause(exc)})",
-            code=type(exc).__name__,
-            status=None,
-            **context,
-        )
-    return StorageError(
-        f"{operation} {where} at {endpoint} failed: {_cause(exc)}",
-        code=type(exc).__name__,
-        status=None,
-        **context,
-    )
+        message = f"{operation} {where}: connection to {endpoint} failed ({_cause(exc)})"
+        return typed(EndpointUnreachable, message, name, None)
+    message = f"{operation} {where} at {endpoint} failed: {_cause(exc)}"
+    return typed(StorageError, message, name, None)
 
 
 def _is_tls(exc: BaseException) -> bool:

@@ -1,8 +1,8 @@
 """Downloads: whole small objects, and ranged reads streamed into memory that wants them.
 
-`Downloads` sits between `Requests` (calls, retries) and `Transfer` (which adds uploads). A
-ranged read that breaks off resumes at the first byte still missing; with a `FrameCheck` it
-verifies every frame's CRC32C as the bytes stream past and resumes at a damaged frame. Every body
+`Downloads` sits between `Calls` (calls, retries) and `S3Store` (which adds uploads). A ranged
+read that breaks off resumes at the first byte still missing; with a `StreamCheck` it verifies
+every range's CRC32C as the bytes stream past and resumes at a damaged one. Every body
 must arrive within a deadline set by its size and ``min_read_rate`` (`_Deadline`), or the attempt
 fails (code ``TooSlow``) and is retried from where it got.
 """
@@ -16,10 +16,11 @@ from typing import Any
 
 import botocore.exceptions
 
+from ..checksums import Checksums, StreamCheck
 from ..errors import ChecksumMismatch, StorageError
-from ..format.frames import FrameCheck, FrameTable
 from .buffers import Scatter
-from .calls import Requests
+from .calls import Calls
+from .contract import Blob
 from .retry import RetryPolicy
 
 __all__ = ["Downloads"]
@@ -56,8 +57,8 @@ def _count(text: Any) -> int | None:
     return int(text) if isinstance(text, str) and text.isdigit() else None
 
 
-class Downloads(Requests):
-    """Reads under the concurrency bound of `Requests`. Call only on the `bridge` loop."""
+class Downloads(Calls):
+    """Reads under the concurrency bound of `Calls`. Call only on the `bridge` loop."""
 
     async def get(
         self,
@@ -66,15 +67,11 @@ class Downloads(Requests):
         *,
         check_size: Callable[[int], None] | None = None,
         retry: RetryPolicy | None = None,
-    ) -> bytes:
-        """A whole object (for small ones such as ``.metadata``); a broken body is retried.
-
-        ``check_size(length)`` sees the object's length before its body is read, and refuses it
-        by raising: that error is raised as it is, unread bytes are never downloaded.
-        """
+    ) -> Blob:
+        """A broken body is retried; a refused one is never downloaded."""
         refused: list[Exception] = []
 
-        async def attempt() -> bytes:
+        async def attempt() -> Blob:
             reply = await (await self._client()).get_object(Bucket=bucket, Key=key)
             deadline = self._deadline(bucket, key, reply["ContentLength"])
             async with reply["Body"] as body:
@@ -83,38 +80,31 @@ class Downloads(Requests):
                         check_size(reply["ContentLength"])
                     except Exception as e:  # a refusal, not a failed request: never retried
                         refused.append(e)
-                        return b""
+                        return Blob(b"", "")
                 data = await deadline.read(body)
             if len(data) != reply["ContentLength"]:
                 ended = f"after {len(data)} of {reply['ContentLength']} bytes"
                 raise self._truncated(bucket, key, ended)
-            return data
+            return Blob(data, str(reply.get("ETag")))
 
         async with self._semaphore():
-            data = await self._retrying("get_object", bucket, key, attempt, retry)
+            blob = await self._retrying("get_object", bucket, key, attempt, retry)
         if refused:
             raise refused[0]
-        self.stats.bytes_received += len(data)
-        return data
+        self.stats.bytes_received += len(blob.data)
+        return blob
 
-    async def get_scattered(
+    async def read_range(
         self,
         bucket: str,
         key: str,
         start: int,
         end: int,
         segments: Sequence[tuple[int, memoryview]],
-        check: FrameCheck | None = None,
+        check: StreamCheck | None = None,
     ) -> None:
-        """Stream bytes ``[start, end)`` of an object into the views that want them.
-
-        Each segment ``(offset, view)`` receives the bytes from absolute ``offset`` on; bytes
-        between segments are read and dropped. With ``check`` every frame's checksum is verified
-        (a mismatch raises ChecksumMismatch), and an object whose size is not the one the commit
-        recorded fails at once (code ``SizeMismatch``). The caller holds a `slot`. A body that
-        breaks off is retried from the first missing byte (from the start of its frame when
-        checked).
-        """
+        """The caller holds a `slot`. Resumes at the first missing byte, or at the start of
+        its checked range."""
         scatter = Scatter(start, segments)
 
         def resume_point() -> int:
@@ -139,7 +129,7 @@ class Downloads(Requests):
                     if check is not None:
                         try:
                             check.feed(position, chunk)
-                        except FrameCheck.Mismatch as m:
+                        except StreamCheck.Mismatch as m:
                             raise self._mismatch(bucket, key, m) from None
             if scatter.position != end:
                 ended = f"at byte {scatter.position} of bytes {start}-{end - 1}"
@@ -147,33 +137,32 @@ class Downloads(Requests):
 
         await self._retrying("get_object", bucket, key, attempt, progress=resume_point)
 
-    async def get_frames(
+    async def read_frames(
         self,
         bucket: str,
         key: str,
-        table: FrameTable,
+        checksums: Checksums,
         frames: range,
         consume: Callable[[int, bytes], None],
     ) -> None:
-        """Stream whole stored frames in order; each is checked against its CRC32C and handed to
-        ``consume(number, stored)``, both in a worker thread. The caller holds a `slot`; a broken
-        or damaged stream is retried from the first frame not yet consumed."""
+        """The caller holds a `slot`."""
         loop = asyncio.get_running_loop()
         following = frames.start
+        starts = checksums.starts
 
-        def check_and_consume(check: FrameCheck, number: int, stored: bytes) -> None:
-            check.feed(table.starts[number], stored)
+        def check_and_consume(check: StreamCheck, number: int, stored: bytes) -> None:
+            check.feed(starts[number], stored)
             consume(number, stored)
 
         async def attempt() -> None:
             nonlocal following
-            start, end = table.starts[following], table.starts[frames.stop]
-            check = FrameCheck(table, start)
-            reply = await self._get_range(bucket, key, start, end, table.size)
+            start, end = starts[following], starts[frames.stop]
+            check = checksums.check(start)
+            reply = await self._get_range(bucket, key, start, end, checksums.object_size)
             deadline = self._deadline(bucket, key, end - start)
             async with reply["Body"] as body:
                 while following < frames.stop:
-                    chunks, wanted = [], table.sizes[following]
+                    chunks, wanted = [], starts[following + 1] - starts[following]
                     while wanted:
                         chunk = await deadline.read(body, min(_READ_CHUNK, wanted))
                         if not chunk:
@@ -188,20 +177,13 @@ class Downloads(Requests):
                         await loop.run_in_executor(
                             None, check_and_consume, check, following, stored
                         )
-                    except FrameCheck.Mismatch as m:
+                    except StreamCheck.Mismatch as m:
                         raise self._mismatch(bucket, key, m) from None
                     following += 1
             if following < frames.stop:
                 raise self._truncated(bucket, key, f"before frame {following} was complete")
 
         await self._retrying("get_object", bucket, key, attempt, progress=lambda: following)
-
-    async def check_size(self, bucket: str, key: str, size: int) -> None:
-        """Raise (code ``SizeMismatch``) unless the object holds ``size`` bytes; one HEAD, for a
-        reader about to allocate what a commit record claims before a GET could refute it."""
-        reply = await self._call("head_object", bucket, key, Key=key)
-        if reply["ContentLength"] != size:
-            raise self._wrong_size(bucket, key, 0, size, size, reply["ContentLength"])
 
     async def _get_range(
         self, bucket: str, key: str, start: int, end: int, size: int | None
@@ -278,7 +260,7 @@ class Downloads(Requests):
             status=None,
         )
 
-    def _mismatch(self, bucket: str, key: str, m: FrameCheck.Mismatch) -> ChecksumMismatch:
+    def _mismatch(self, bucket: str, key: str, m: StreamCheck.Mismatch) -> ChecksumMismatch:
         return ChecksumMismatch(
             f"s3://{bucket}/{key} bytes {m.start}-{m.end - 1} at {self.endpoint}: CRC32C "
             f"{m.actual:#010x}, the commit recorded {m.expected:#010x}; the stored object is "
@@ -286,9 +268,6 @@ class Downloads(Requests):
             endpoint=self.endpoint,
             bucket=bucket,
             key=key,
-            operation="get_object",
-            code="ChecksumMismatch",
-            status=None,
             start=m.start,
             end=m.end,
             expected=m.expected,

@@ -62,18 +62,16 @@ def is_transient(error: BaseException) -> bool:
     if not isinstance(error, StorageError):
         return False
     if isinstance(error, EndpointUnreachable):
-        return getattr(error, "code", None) != "SSLError"
-    status = getattr(error, "status", None)
-    code = getattr(error, "code", None)
-    if code in _RETRYABLE_CODES:
+        return error.code != "SSLError"
+    if error.code in _RETRYABLE_CODES:
         return True
-    return isinstance(status, int) and (status >= 500 or status in (408, 429))
+    return error.status is not None and (error.status >= 500 or error.status in (408, 429))
 
 
 def is_repeat_limited(error: BaseException) -> bool:
     """True for damaged bytes (either way) and bodies slower than ``min_read_rate``: retried
     ``REPEAT_LIMIT`` times per request at most, not for a time."""
-    return isinstance(error, StorageError) and getattr(error, "code", None) in _REPEAT_LIMITED_CODES
+    return isinstance(error, StorageError) and error.code in _REPEAT_LIMITED_CODES
 
 
 @dataclass
@@ -100,7 +98,9 @@ class RetryPolicy:
         seconds into the window; ``repeats``: how many of the request's failures so far were
         `is_repeat_limited`, this one included (a caller that does not count them leaves 0, and
         ``attempt``, never fewer, stands in)."""
-        if not is_transient(error) or getattr(error, "code", None) in self.never:
+        if not isinstance(error, StorageError) or not is_transient(error):
+            return False
+        if error.code in self.never:
             return False
         if self.max_attempts is not None and attempt >= self.max_attempts:
             return False

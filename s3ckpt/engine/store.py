@@ -1,11 +1,10 @@
-"""The async S3 transfer engine: every request s3ckpt makes goes through `Transfer`.
+"""`S3Store`, the engine's implementation of the `contract`: uploads, on top of `Downloads`.
 
-`Transfer` is `Requests` (calls, retries, small operations) and `Downloads` (ranged reads) plus
-the uploads defined here. One `Transfer` exists per resolved configuration per process
-(`get_transfer`), on the private loop of `bridge`. Its semaphore is the bound on in-flight data
-requests, and data buffers are only materialised while a request holds a slot, so bytes in
-flight stay near ``part_size x max_concurrency`` whatever the checkpoint size. A multipart upload
-that fails or is cancelled is aborted before the error propagates.
+One `S3Store` exists per resolved configuration per process (`get_store`), on the private loop
+of `bridge`. Its semaphore bounds the data requests in flight, and data buffers are only
+materialised while a request holds a slot, so bytes in flight stay near ``part_size x
+max_concurrency`` whatever the checkpoint size. A multipart upload that fails or is cancelled
+is aborted before the error propagates.
 """
 
 from __future__ import annotations
@@ -16,41 +15,26 @@ import dataclasses
 import logging
 import math
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from typing import Any, Protocol, TypeVar
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 from ..config import ResolvedConfig, S3Config
 from ..errors import ObjectNotFound, StorageError
-from . import wire
+from . import bridge, wire
 from .buffers import PartBuffers
-from .calls import TransferStats
+from .contract import ObjectStore, Payload
 from .downloads import Downloads
 from .retry import RetryPolicy
 
-__all__ = ["Payload", "Transfer", "TransferStats", "gather_or_cancel", "get_transfer"]
+__all__ = ["S3Store", "get_store"]
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 _MAX_PARTS = 10_000
 
 
-class Payload(Protocol):
-    """The bytes of one object to upload, produced part by part."""
-
-    @property
-    def size(self) -> int: ...
-
-    def view(self, start: int, end: int) -> memoryview | None:
-        """Bytes ``[start, end)`` as a view of existing memory, if they are in one piece."""
-        ...
-
-    def read(self, start: int, end: int, scratch: memoryview) -> memoryview:
-        """Bytes ``[start, end)``: a view of existing memory, or ``scratch`` filled with them."""
-        ...
-
-
-class Transfer(Downloads):
-    """S3 operations under one concurrency bound. Call only on the `bridge` loop."""
+class S3Store(Downloads):
+    """The `ObjectStore` over aiobotocore. Call only on the `bridge` loop."""
 
     def __init__(self, resolved: ResolvedConfig, retry: RetryPolicy | None = None) -> None:
         super().__init__(resolved, retry)
@@ -62,18 +46,14 @@ class Transfer(Downloads):
         self,
         bucket: str,
         key: str,
-        body: bytes | memoryview,
+        body: bytes | bytearray | memoryview,
         *,
         if_none_match: bool = False,
-        digest: dict[str, Any] | None = None,
         retry: RetryPolicy | None = None,
         on_failure: Callable[[StorageError], None] | None = None,
+        digest: dict[str, Any] | None = None,
     ) -> None:
-        """One PutObject; ``if_none_match`` makes it fail (PreconditionFailed) if the key exists.
-
-        ``digest`` carries the body's wire checksum; computed here when not given. ``retry`` and
-        ``on_failure`` as for `Requests._call`.
-        """
+        """``digest`` carries the body's wire checksum; computed here when not given."""
         if digest is None:
             digest = wire.digest(body, await self.wire_mode(bucket, key))
         extra = {"IfNoneMatch": "*"} if if_none_match else {}
@@ -127,7 +107,6 @@ class Transfer(Downloads):
         return self._wire_modes[bucket]
 
     async def upload(self, bucket: str, key: str, payload: Payload) -> None:
-        """One PutObject up to the multipart threshold, else a multipart upload."""
         with self._parts.held():
             if payload.size <= self.config.multipart_threshold:
                 async with self._semaphore():
@@ -139,13 +118,13 @@ class Transfer(Downloads):
             try:
                 part_size = max(self.config.part_size, math.ceil(payload.size / _MAX_PARTS))
                 starts = range(0, payload.size, part_size)
-                parts = await gather_or_cancel(
+                parts = await bridge.gather_or_cancel(
                     self._upload_part(bucket, key, upload_id, number, payload, start, part_size)
                     for number, start in enumerate(starts, 1)
                 )
                 await self._complete(bucket, key, upload_id, parts, payload.size)
             except BaseException:
-                await asyncio.shield(self.abort(bucket, key, upload_id))
+                await asyncio.shield(self._abort_quietly(bucket, key, upload_id))
                 raise
             finally:
                 if retried:
@@ -154,9 +133,7 @@ class Transfer(Downloads):
     async def upload_stream(
         self, bucket: str, key: str, chunks: AsyncIterator[bytes | memoryview]
     ) -> None:
-        """Store bytes whose total is known only at the end (compressed frames, in order).
-
-        Chunks gather into parts of at least ``part_size``; a part's request slot is taken
+        """Chunks gather into parts of at least ``part_size``; a part's request slot is taken
         before it is cut, so at most ``max_concurrency`` parts are held and the producer waits
         for slots. A stream that ends under the multipart threshold goes up as one PutObject.
         """
@@ -187,14 +164,14 @@ class Transfer(Downloads):
                 return
             if part:
                 await send(upload[0], part)
-            parts = await gather_or_cancel(pending)
+            parts = await bridge.gather_or_cancel(pending)
             await self._complete(bucket, key, upload[0], parts, size)
         except BaseException:
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
             if upload is not None:
-                await asyncio.shield(self.abort(bucket, key, upload[0]))
+                await asyncio.shield(self._abort_quietly(bucket, key, upload[0]))
             raise
         finally:
             if upload is not None and upload[1]:
@@ -267,7 +244,7 @@ class Transfer(Downloads):
             )
         except ObjectNotFound:
             head = await self.head(bucket, key)
-            if head is None or head.get("ContentLength") != size:
+            if head is None or head.size != size:
                 raise
 
     async def _create_upload(self, bucket: str, key: str) -> tuple[str, bool]:
@@ -294,16 +271,16 @@ class Transfer(Downloads):
             created = await asyncio.shield(create)
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
-                await self.abort(bucket, key, (await create)["UploadId"])
+                await self._abort_quietly(bucket, key, (await create)["UploadId"])
             raise
         return str(created["UploadId"]), sent > 1
 
     async def _abort_strays(self, bucket: str, key: str) -> None:
         """Abort every upload left under ``key`` (keys are unique per save, so all are ours)."""
         with contextlib.suppress(StorageError):
-            for found, upload_id in await self.list_uploads(bucket, key):
-                if found == key:
-                    await self.abort(bucket, key, upload_id)
+            for upload in await self.list_uploads(bucket, key):
+                if upload.key == key:
+                    await self._abort_quietly(bucket, key, upload.upload_id)
 
     async def _upload_part(
         self,
@@ -337,29 +314,18 @@ async def _produce(
     return await asyncio.get_running_loop().run_in_executor(None, produce)
 
 
-async def gather_or_cancel(aws: Iterable[Awaitable[T]]) -> list[T]:
-    """Like ``asyncio.gather``, but the first failure cancels the rest and waits for them."""
-    tasks = [asyncio.ensure_future(a) for a in aws]
-    try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
+_stores: dict[ResolvedConfig, S3Store] = {}
 
 
-_transfers: dict[ResolvedConfig, Transfer] = {}
-
-
-def get_transfer(config: S3Config) -> Transfer:
-    """The process's `Transfer` for ``config`` (resolved against the current environment)."""
-    resolved = config.resolve()
-    transfer = _transfers.get(resolved)
-    if transfer is None:
-        transfer = _transfers.setdefault(resolved, Transfer(resolved))
-    return transfer
+def get_store(config: S3Config | None = None) -> ObjectStore:
+    """The process's store for ``config`` (default `S3Config()`, resolved against the current
+    environment)."""
+    resolved = (config or S3Config()).resolve()
+    store = _stores.get(resolved)
+    if store is None:
+        store = _stores.setdefault(resolved, S3Store(resolved))
+    return store
 
 
 # A forked child gets a fresh bridge loop; the parent's clients are bound to the old one.
-os.register_at_fork(after_in_child=_transfers.clear)
+os.register_at_fork(after_in_child=_stores.clear)

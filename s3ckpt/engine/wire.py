@@ -15,8 +15,8 @@ import secrets
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from ..checksums import checksum
 from ..errors import StorageError
-from ..format.frames import checksum
 
 __all__ = ["MODES", "REFUSED", "digest", "probe"]
 
@@ -25,7 +25,7 @@ _PROBE_BODY = b"s3ckpt checksum probe"
 REFUSED = frozenset({"BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch", "InvalidRequest"})
 
 
-def digest(body: bytes | memoryview, mode: str) -> dict[str, Any]:
+def digest(body: bytes | bytearray | memoryview, mode: str) -> dict[str, Any]:
     """Request parameters that carry ``body``'s checksum in ``mode`` ("crc32c", "md5", "off")."""
     if mode == "crc32c":
         value = checksum(body).to_bytes(4, "big")
@@ -54,7 +54,7 @@ async def probe(
             try:
                 await put(key, _PROBE_BODY, **params)
             except StorageError as e:
-                if getattr(e, "code", None) in REFUSED:
+                if e.code in REFUSED:
                     return mode
                 raise
         return "off"

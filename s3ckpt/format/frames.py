@@ -19,15 +19,14 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-import crc32c
 import torch
+
+from ..checksums import Checksums
 
 __all__ = [
     "RAW",
     "ZSTD",
-    "FrameCheck",
     "FrameTable",
-    "checksum",
     "decode",
     "encode",
     "shuffle",
@@ -142,11 +141,6 @@ def _decompressor() -> Any:
     return _local.decompressor
 
 
-def checksum(data: bytes | memoryview, value: int = 0) -> int:
-    """CRC32C (hardware-accelerated), continuing from ``value``."""
-    return int(crc32c.crc32c(data, value))
-
-
 @dataclass(frozen=True)
 class FrameTable:
     """How one object is framed: raw size, and each stored frame's size, codec and checksum."""
@@ -175,6 +169,11 @@ class FrameTable:
     @property
     def size(self) -> int:
         return self.starts[-1]
+
+    @property
+    def checksums(self) -> Checksums:
+        """The stored frames as checksummed ranges, for reads that verify them."""
+        return Checksums(self.starts, self.crcs)
 
     def raw_length(self, frame: int) -> int:
         return min(self.frame_size, self.raw_size - frame * self.frame_size)
@@ -254,48 +253,3 @@ class FrameTable:
             if stored == 0 or (stored != raw if codec == RAW else not stored < raw <= stored << 15):
                 raise ValueError(f"frame {i}: {stored} stored bytes do not fit its codec")
         return parsed
-
-
-class FrameCheck:
-    """Checks the frames of one ranged read as its bytes stream past.
-
-    The read starts at ``start``, a frame boundary of ``table``. `feed` raises `Mismatch` at the
-    end of a frame whose checksum differs; `resume_point` tells a retry where to start again
-    (the beginning of the frame in progress).
-    """
-
-    class Mismatch(Exception):
-        def __init__(self, start: int, end: int, expected: int, actual: int) -> None:
-            super().__init__(start, end, expected, actual)
-            self.start, self.end, self.expected, self.actual = start, end, expected, actual
-
-    def __init__(self, table: FrameTable, start: int) -> None:
-        self._table = table
-        self._frame = table.starts.index(start)
-        self._crc = 0
-
-    @property
-    def object_size(self) -> int:
-        """The stored size of the object, as the commit recorded it."""
-        return self._table.size
-
-    def resume_point(self) -> int:
-        self._crc = 0
-        return self._table.starts[self._frame]
-
-    def feed(self, position: int, data: bytes | memoryview) -> None:
-        """``data`` are the stored bytes from ``position`` on."""
-        view = memoryview(data)
-        while view:
-            frame_end = self._table.starts[self._frame + 1]
-            take = min(len(view), frame_end - position)
-            self._crc = checksum(view[:take], self._crc)
-            position += take
-            view = view[take:]
-            if position == frame_end:
-                expected = self._table.crcs[self._frame]
-                if self._crc != expected:
-                    frame_start = self._table.starts[self._frame]
-                    raise FrameCheck.Mismatch(frame_start, frame_end, expected, self._crc)
-                self._frame += 1
-                self._crc = 0

@@ -23,9 +23,11 @@ __all__ = [
     "METADATA_NAME",
     "Location",
     "data_key",
+    "is_lease",
     "lease_key",
     "new_save_id",
     "rank_of",
+    "save_of",
     "spread_digits",
 ]
 
@@ -104,13 +106,28 @@ def lease_key(save_id: str) -> str:
     return f"data-{save_id}/{LEASE_NAME}"
 
 
-_DATA_KEY = re.compile(r"data-[^/]+/(?:[0-9a-f]+/)?(\d+)-\d+(?:-[0-9a-f]+)?")
+# A save's object relative to its checkpoint: a `data_key` (with or without its hash directory),
+# its `lease_key`, or whatever else a save left in its directory.
+_SAVE_KEY = re.compile(r"data-(?P<save>[^/]+)/(?:[0-9a-f]+/)?(?P<name>[^/]+)")
+_DATA_NAME = re.compile(r"(?P<rank>\d+)-\d+(?:-[0-9a-f]+)?")
+
+
+def save_of(key: str) -> str | None:
+    """The save that wrote an object (key relative to the checkpoint prefix): its data objects
+    and its lease; None for any other key."""
+    match = _SAVE_KEY.fullmatch(key)
+    return match["save"] if match else None
 
 
 def rank_of(key: str) -> int | None:
     """The rank that wrote a data object, from its `data_key`; None for any other key."""
-    match = _DATA_KEY.fullmatch(key)
-    return int(match.group(1)) if match else None
+    match = _SAVE_KEY.fullmatch(key)
+    name = _DATA_NAME.fullmatch(match["name"]) if match else None
+    return int(name["rank"]) if name else None
+
+
+def is_lease(key: str) -> bool:
+    return key.rpartition("/")[2] == LEASE_NAME
 
 
 def spread_digits(objects: int) -> int:

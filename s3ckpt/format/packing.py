@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..checksums import checksum
 from . import frames
 from .frames import FrameTable
 from .tensorbytes import memory_of
@@ -104,7 +105,7 @@ class Packed:
         """CRC32C of every frame of the bytes as they are (run in a worker thread)."""
         scratch = memoryview(bytearray(min(frame_size, self.size)))
         crcs = [
-            frames.checksum(self.read(s, min(s + frame_size, self.size), scratch))
+            checksum(self.read(s, min(s + frame_size, self.size), scratch))
             for s in range(0, self.size, frame_size)
         ]
         return FrameTable.raw(frame_size, crcs, self.size)
@@ -121,7 +122,7 @@ class Packed:
             raw = self.read(start, end, memoryview(bytearray(end - start)))
         itemsize = self.shuffle_size(start, end) if shuffle else None
         stored, codec = frames.encode(raw, level, itemsize)
-        return stored, codec, frames.checksum(stored)
+        return stored, codec, checksum(stored)
 
 
 def assign_objects(sizes: Sequence[int], max_objects: int, min_object_size: int) -> list[int]:

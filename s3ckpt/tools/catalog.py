@@ -1,8 +1,8 @@
 """Find, inspect, read and clean up checkpoints under a prefix: what the ``s3ckpt`` command does.
 
-Listing and ``latest`` go one level deep (see `s3ckpt.tools.scan`); the removals (``delete``, ``prune``,
-``gc``) live in `s3ckpt.tools.removal` and are importable from here. The functions are synchronous;
-the I/O runs on the `bridge` loop through the shared `Transfer`.
+Listing and ``latest`` go one level deep (see `scan`); the removals (``delete``, ``prune``,
+``gc``) live in `removal` and are importable from here. The functions are synchronous; the I/O
+runs on the `bridge` loop through the process's `ObjectStore`.
 """
 
 from __future__ import annotations
@@ -17,15 +17,16 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from ..config import S3Config
+from ..dcp.prefix import read_prefix
 from ..dcp.reader import S3Reader
 from ..engine import bridge
-from ..engine.store import Transfer
-from ..errors import CheckpointNotFound, IncompleteCheckpoint, S3CkptError
+from ..engine.contract import ObjectStore, Upload
+from ..errors import S3CkptError
 from ..format.layout import Location
 from ..format.record import Checkpoint
 from . import scan
 from .removal import GcReport, Removal, delete, gc, prune
-from .scan import CheckpointInfo, Progress, Upload
+from .scan import CheckpointInfo, Progress
 
 __all__ = [
     "CheckpointInfo",
@@ -45,19 +46,19 @@ __all__ = [
 
 def list_checkpoints(url: str, config: S3Config | None = None) -> list[CheckpointInfo]:
     """Checkpoints at ``url`` and directly under it, oldest first (by step, then creation)."""
-    found = bridge.run(scan.survey(scan.transfer_for(config), scan.location_of(url)))
+    found = bridge.run(scan.survey(scan.store_for(config), scan.location_of(url)))
     return [f.info for f in found]
 
 
 def latest(url: str, config: S3Config | None = None) -> CheckpointInfo | None:
     """The committed checkpoint with the highest step (then the newest), or None."""
-    return bridge.run(_latest(scan.transfer_for(config), scan.location_of(url)))
+    return bridge.run(_latest(scan.store_for(config), scan.location_of(url)))
 
 
 def describe(url: str, config: S3Config | None = None) -> tuple[CheckpointInfo, Checkpoint]:
     """The committed checkpoint at ``url`` and its record; else CheckpointNotFound or
     IncompleteCheckpoint."""
-    return bridge.run(_describe(scan.transfer_for(config), scan.location_of(url)))
+    return bridge.run(_describe(scan.store_for(config), scan.location_of(url)))
 
 
 def read_state(
@@ -95,7 +96,7 @@ class _CountingPlanner(_EmptyStateDictLoadPlanner):
     """Reports tensor bytes as the reader commits them (from its I/O thread)."""
 
     def __init__(self, progress: Progress | None) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self._progress = progress
         self._done = 0
         self._total = 0
@@ -125,30 +126,20 @@ class _CountingPlanner(_EmptyStateDictLoadPlanner):
             self._progress(self._done, self._total)
 
 
-async def _latest(transfer: Transfer, location: Location) -> CheckpointInfo | None:
+async def _latest(store: ObjectStore, location: Location) -> CheckpointInfo | None:
     """Reads records from the highest step down, so a long run costs a few GETs, not one each."""
     by_step: dict[int | None, list[Location]] = {}
-    for candidate in (await scan.candidates(transfer, location))[0]:
+    for candidate in (await scan.candidates(store, location))[0]:
         by_step.setdefault(scan.step_of(candidate), []).append(candidate)
     for step in sorted(by_step, key=lambda s: (s is not None, s or 0), reverse=True):
-        found = await scan.run_all(lambda c: scan.readable(transfer, c), by_step[step], transfer)
+        found = await scan.run_all(lambda c: scan.readable(store, c), by_step[step], store)
         committed = [f.info for f in found if f is not None]
         if committed:
             return max(committed, key=scan.newness)
     return None
 
 
-async def _describe(transfer: Transfer, location: Location) -> tuple[CheckpointInfo, Checkpoint]:
-    found = await scan.committed(transfer, location)
-    if found is not None and found.checkpoint is not None:
-        return found.info, found.checkpoint
-    data, _ = await scan.data_objects(transfer, location)
-    if data:
-        raise IncompleteCheckpoint(
-            f"{location.url} is incomplete: data objects exist (e.g. s3://{location.bucket}/"
-            f"{data[0][0].key}) but no .metadata — a save failed, was killed, or is running",
-            url=location.url,
-        )
-    raise CheckpointNotFound(
-        f"no checkpoint at {location.url} (no .metadata and no data objects)", url=location.url
-    )
+async def _describe(store: ObjectStore, location: Location) -> tuple[CheckpointInfo, Checkpoint]:
+    at = await read_prefix(store, location)
+    checkpoint = at.require()
+    return scan.found(at).info, checkpoint

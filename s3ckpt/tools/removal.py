@@ -1,4 +1,4 @@
-"""Delete checkpoints safely: what ``s3ckpt rm/prune/gc`` do (import them from `s3ckpt.tools.catalog`).
+"""Delete checkpoints safely: what ``s3ckpt rm/prune/gc`` do (import them from `catalog`).
 
 Removal deletes ``.metadata`` first, so a checkpoint stops being loadable at once and a crash
 midway leaves only unreferenced objects, which `gc` finds later. `gc` judges each save
@@ -8,7 +8,7 @@ lease is live (`s3ckpt.dcp.commit`), whatever ``older_than`` says, nor a checkpo
 ``.metadata`` it cannot read: what that record references is unknown.
 
 Removals plan, then call ``confirm`` (in the caller's thread) with what they would remove, and
-only then delete. The I/O runs on the `bridge` loop through the shared `Transfer`.
+only then delete. The I/O runs on the `bridge` loop through the shared `ObjectStore`.
 """
 
 from __future__ import annotations
@@ -17,26 +17,24 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
 
 from ..config import S3Config
 from ..engine import bridge
-from ..engine.store import Transfer
+from ..engine.contract import ObjectStore, StoredObject, Upload
 from ..errors import (
     AccessDenied,
     CheckpointNotFound,
     ConfigError,
     MetadataError,
-    ObjectNotFound,
     StorageError,
 )
+from ..format import layout
 from ..format.layout import Location
 from . import scan
-from .scan import CheckpointInfo, Progress, StoredObject, Upload
+from .scan import CheckpointInfo, Progress
 
 __all__ = ["GcReport", "Removal", "delete", "gc", "prune"]
 
-_BATCH = 1000  # DeleteObjects' limit
 log = logging.getLogger(__name__)
 
 
@@ -83,11 +81,11 @@ def delete(
 ) -> Removal:
     """Delete the checkpoint at ``url``: ``.metadata``, then its data objects, then abort its
     multipart uploads. If ``confirm`` declines, nothing is deleted (an empty Removal returns)."""
-    location, transfer = scan.location_of(url), scan.transfer_for(config)
-    target = bridge.run(_plan_delete(transfer, location))
+    location, store = scan.location_of(url), scan.store_for(config)
+    target = bridge.run(_plan_delete(store, location))
     if confirm is not None and not confirm(_preview(location.bucket, [target])):
         return Removal(location.bucket)
-    return bridge.run(_remove(transfer, location, [target], progress, guarded=False))[0]
+    return bridge.run(_remove(store, location, [target], progress, guarded=False))[0]
 
 
 def prune(
@@ -102,12 +100,12 @@ def prune(
     those deleted. Incomplete ones are left to `gc`: they may be saves in progress."""
     if keep < 1:
         raise ConfigError(f"keep must be >= 1 (the latest checkpoint is never pruned), got {keep}")
-    location, transfer = scan.location_of(url), scan.transfer_for(config)
-    plan = bridge.run(_plan_prune(transfer, location, keep))
+    location, store = scan.location_of(url), scan.store_for(config)
+    plan = bridge.run(_plan_prune(store, location, keep))
     if not plan or (confirm is not None and not confirm([info for info, _ in plan])):
         return []
     targets = [target for _, target in plan]
-    _, dropped = bridge.run(_remove(transfer, location, targets, progress, guarded=True))
+    _, dropped = bridge.run(_remove(store, location, targets, progress, guarded=True))
     return [info for info, target in plan if target not in dropped]
 
 
@@ -127,15 +125,15 @@ def gc(
     lease is live is spared too, unless ``break_leases`` (for writers known to be dead)."""
     if older_than < timedelta(0):
         raise ConfigError(f"older_than must not be negative, got {older_than}")
-    location, transfer = scan.location_of(url), scan.transfer_for(config)
-    targets = bridge.run(_plan_gc(transfer, location, older_than, break_leases))
+    location, store = scan.location_of(url), scan.store_for(config)
+    targets = bridge.run(_plan_gc(store, location, older_than, break_leases))
     young = [key for t in targets for key in t.young]
     young_uploads = [upload for t in targets for upload in t.young_uploads]
     targets = [t for t in targets if t.objects or t.uploads]
     report = _report(_preview(location.bucket, targets), young, young_uploads)
     if dry_run or (confirm is not None and not confirm(report)):
         return report
-    removal, dropped = bridge.run(_remove(transfer, location, targets, progress, guarded=True))
+    removal, dropped = bridge.run(_remove(store, location, targets, progress, guarded=True))
     young += [obj.key for t in dropped for obj in t.objects]
     return _report(removal, young, young_uploads + [u for t in dropped for u in t.uploads], False)
 
@@ -157,11 +155,11 @@ def _report(
 # ------------------------------------------------------------------------------- planning
 
 
-async def _plan_delete(transfer: Transfer, location: Location) -> _Target:
-    head = await transfer.head(location.bucket, location.metadata_key)
-    data, now = await scan.data_objects(transfer, location)
-    pending = (await scan.uploads(transfer, location)).get(location.prefix, [])
-    size = None if head is None else int(head["ContentLength"])
+async def _plan_delete(store: ObjectStore, location: Location) -> _Target:
+    head = await store.head(location.bucket, location.metadata_key)
+    data, now = await scan.saves(store, location)
+    pending = (await scan.uploads(store, location)).get(location.prefix, [])
+    size = None if head is None else head.size
     objects, uploads = _not_running(location, data, pending, now)
     target = _Target(location, None, size, objects, uploads)
     if head is None and not target.objects and not target.uploads:
@@ -174,14 +172,14 @@ async def _plan_delete(transfer: Transfer, location: Location) -> _Target:
 
 
 async def _plan_prune(
-    transfer: Transfer, location: Location, keep: int
+    store: ObjectStore, location: Location, keep: int
 ) -> list[tuple[CheckpointInfo, _Target]]:
-    committed = [f for f in await scan.survey(transfer, location) if f.info.committed]
+    committed = [f for f in await scan.survey(store, location) if f.info.committed]
     victims = sorted(committed, key=lambda f: scan.newness(f.info), reverse=True)[keep:]
     if not victims:
         return []
-    uploads = await scan.uploads(transfer, location)
-    data = await scan.run_all(lambda f: scan.data_objects(transfer, f.location), victims, transfer)
+    uploads = await scan.uploads(store, location)
+    data = await scan.run_all(lambda f: scan.saves(store, f.location), victims, store)
     plan = []
     for f, (found, now) in zip(victims, data, strict=True):
         pending = uploads.get(f.location.prefix, [])
@@ -207,19 +205,19 @@ def _not_running(
 
 
 async def _plan_gc(
-    transfer: Transfer, location: Location, older_than: timedelta, break_leases: bool
+    store: ObjectStore, location: Location, older_than: timedelta, break_leases: bool
 ) -> list[_Target]:
-    candidates, uploads = await scan.candidates(transfer, location, with_uploads=True)
+    candidates, uploads = await scan.candidates(store, location, with_uploads=True)
 
     async def one(candidate: Location) -> _Target:
         pending = uploads.get(candidate.prefix, [])
-        return await _gc_one(transfer, candidate, pending, older_than, break_leases)
+        return await _gc_one(store, candidate, pending, older_than, break_leases)
 
-    return await scan.run_all(one, candidates, transfer)
+    return await scan.run_all(one, candidates, store)
 
 
 async def _gc_one(
-    transfer: Transfer,
+    store: ObjectStore,
     location: Location,
     uploads: list[tuple[Upload, str]],
     older_than: timedelta,
@@ -227,22 +225,22 @@ async def _gc_one(
 ) -> _Target:
     """Reads ``.metadata`` before listing: objects that a concurrent commit adds are recent."""
     try:
-        found = await scan.committed(transfer, location)
+        found = await scan.committed(store, location)
     except MetadataError as e:
         log.warning("%s: nothing collected, its record cannot be read: %s", location.url, e)
-        data, _ = await scan.data_objects(transfer, location)
+        data, _ = await scan.saves(store, location)
         young = [obj.key for obj, _ in data]
         return _Target(location, None, young=young, young_uploads=[u for u, _ in uploads])
     keep_id, referenced = None, set()
     if found is not None and found.checkpoint is not None:
         keep_id = found.checkpoint.save_id
         referenced = {location.key(key) for key in found.checkpoint.objects}
-    data, now = await scan.data_objects(transfer, location)
+    data, now = await scan.saves(store, location)
     live = set() if break_leases else scan.live_saves(data, now)
     saves: dict[str, tuple[list[StoredObject], list[Upload]]] = {}
     for obj, save_id in data:
         # The committed save's objects stay, but not its lease once that has expired.
-        ours = save_id == keep_id and not scan.is_lease(obj.key)
+        ours = save_id == keep_id and not layout.is_lease(obj.key)
         if not ours and obj.key not in referenced:
             saves.setdefault(save_id, ([], []))[0].append(obj)
     for upload, save_id in uploads:
@@ -251,7 +249,7 @@ async def _gc_one(
     for save_id, (objects, save_uploads) in saves.items():
         cutoff = now - older_than
         if save_id not in live and await _idle(
-            transfer, location.bucket, objects, save_uploads, cutoff
+            store, location.bucket, objects, save_uploads, cutoff
         ):
             target.objects += objects
             target.uploads += save_uploads
@@ -262,7 +260,7 @@ async def _gc_one(
 
 
 async def _idle(
-    transfer: Transfer,
+    store: ObjectStore,
     bucket: str,
     objects: list[StoredObject],
     uploads: list[Upload],
@@ -273,32 +271,8 @@ async def _idle(
     written = [obj.modified for obj in objects] + [upload.initiated for upload in uploads]
     if not all(scan.is_old(when, cutoff) for when in written):
         return False
-    newest = await scan.run_all(lambda u: _last_part(transfer, bucket, u), uploads, transfer)
-    return all(scan.is_old(t, cutoff) for t in newest if t is not None)
-
-
-async def _last_part(transfer: Transfer, bucket: str, upload: Upload) -> datetime | None:
-    """When the upload's newest part arrived; None if it has none or is gone."""
-    newest: datetime | None = None
-    marker: dict[str, Any] = {}
-    while True:
-        try:
-            reply = await transfer._call(
-                "list_parts",
-                bucket,
-                upload.key,
-                Key=upload.key,
-                UploadId=upload.upload_id,
-                **marker,
-            )
-        except ObjectNotFound:  # completed or aborted meanwhile: nothing left to age
-            return None
-        for part in reply.get("Parts", []):
-            modified = scan.utc(part["LastModified"])
-            newest = modified if newest is None else max(newest, modified)
-        if not reply.get("IsTruncated"):
-            return newest
-        marker = {"PartNumberMarker": reply["NextPartNumberMarker"]}
+    parts = await scan.run_all(lambda u: store.list_parts(bucket, u), uploads, store)
+    return all(scan.is_old(part.modified, cutoff) for listed in parts for part in listed)
 
 
 def _preview(bucket: str, targets: list[_Target]) -> Removal:
@@ -311,13 +285,13 @@ def _preview(bucket: str, targets: list[_Target]) -> Removal:
     )
 
 
-async def _unchanged(transfer: Transfer, target: _Target) -> bool:
-    head = await transfer.head(target.location.bucket, target.location.metadata_key)
-    return (None if head is None else str(head["ETag"])) == target.etag
+async def _unchanged(store: ObjectStore, target: _Target) -> bool:
+    head = await store.head(target.location.bucket, target.location.metadata_key)
+    return (None if head is None else head.etag) == target.etag
 
 
 async def _remove(
-    transfer: Transfer,
+    store: ObjectStore,
     location: Location,
     targets: list[_Target],
     progress: Progress | None,
@@ -328,7 +302,7 @@ async def _remove(
     (when ``guarded``) the targets skipped because their ``.metadata`` changed since planning."""
     dropped: list[_Target] = []
     if guarded:
-        same = await scan.run_all(lambda t: _unchanged(transfer, t), targets, transfer)
+        same = await scan.run_all(lambda t: _unchanged(store, t), targets, store)
         dropped = [t for t, ok in zip(targets, same, strict=True) if not ok]
         targets = [t for t, ok in zip(targets, same, strict=True) if ok]
     plan = _preview(location.bucket, targets)
@@ -342,54 +316,55 @@ async def _remove(
 
     advance(0)
     records = [t.location.metadata_key for t in targets if t.record_size is not None]
-    await _delete(transfer, plan.bucket, records, advance, f"cannot remove {location.url}")
+    await _delete(store, plan.bucket, records, advance, f"cannot remove {location.url}")
     doing = f"deleting unreferenced data objects under {location.url} failed"
     if records:
         doing = (
             f"{len(records)} checkpoint(s) at {location.url} no longer load (.metadata deleted), "
             "but not all of their data objects could be deleted (run rm or gc again)"
         )
-    await _delete(transfer, plan.bucket, list(plan.deleted[len(records) :]), advance, doing)
+    await _delete(store, plan.bucket, list(plan.deleted[len(records) :]), advance, doing)
     doing = f"{location.url}: objects deleted, but a multipart upload could not be aborted"
     aborted = await scan.run_all(
-        lambda u: _abort(transfer, plan.bucket, u, advance, doing), plan.aborted, transfer
+        lambda u: _abort(store, plan.bucket, u, advance, doing), plan.aborted, store
     )
     done_uploads = tuple(u for u, ok in zip(plan.aborted, aborted, strict=True) if ok)
     return Removal(plan.bucket, plan.deleted, done_uploads, plan.bytes_freed), dropped
 
 
 async def _delete(
-    transfer: Transfer, bucket: str, keys: list[str], advance: Callable[[int], None], doing: str
+    store: ObjectStore, bucket: str, keys: list[str], advance: Callable[[int], None], doing: str
 ) -> None:
-    for start in range(0, len(keys), _BATCH):
-        batch = keys[start : start + _BATCH]
-        try:
-            await transfer.delete(bucket, batch)
-        except StorageError as e:
-            raise _refused(e, doing) from e
-        advance(len(batch))
+    try:
+        await store.delete(bucket, keys, deleted=advance)
+    except StorageError as e:
+        raise _refused(e, doing) from e
 
 
 async def _abort(
-    transfer: Transfer, bucket: str, upload: Upload, advance: Callable[[int], None], doing: str
+    store: ObjectStore, bucket: str, upload: Upload, advance: Callable[[int], None], doing: str
 ) -> bool:
-    """Abort one upload (`Transfer.abort` hides failures); False if it was already gone."""
+    """Abort one upload; False if it was already gone."""
     try:
-        await transfer._call(
-            "abort_multipart_upload", bucket, upload.key, Key=upload.key, UploadId=upload.upload_id
-        )
-    except ObjectNotFound:  # completed or aborted since it was listed
-        advance(1)
-        return False
+        aborted = await store.abort(bucket, upload)
     except StorageError as e:
         raise _refused(e, f"{doing} (s3://{bucket}/{upload.key})") from e
     advance(1)
-    return True
+    return aborted
 
 
 def _refused(error: StorageError, doing: str) -> StorageError:
     """The same error, saying how far the removal got. DeleteObjects reports a refused key in its
-    reply, which `Transfer.delete` raises as a plain StorageError: type it AccessDenied."""
-    kind = AccessDenied if getattr(error, "code", None) == "AccessDenied" else type(error)
-    context = {name: value for name, value in vars(error).items() if name != "message"}
-    return kind(f"{doing}: {error.message}", **context)
+    reply, which `ObjectStore.delete` raises as a plain StorageError: type it AccessDenied."""
+    message = f"{doing}: {error.message}"
+    if error.code != "AccessDenied" or isinstance(error, AccessDenied):
+        return error.reworded(message)
+    return AccessDenied(
+        message,
+        endpoint=error.endpoint,
+        bucket=error.bucket,
+        key=error.key,
+        operation=error.operation,
+        code=error.code,
+        status=error.status,
+    )

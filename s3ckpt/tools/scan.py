@@ -10,43 +10,41 @@ is in `s3ckpt.tools.catalog`.
 from __future__ import annotations
 
 import asyncio
-import email.utils
 import logging
 import re
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from ..config import S3Config, parse_s3_url
-from ..engine.clients import map_error
-from ..engine.store import Transfer, gather_or_cancel, get_transfer
-from ..errors import MetadataError, ObjectNotFound
+from ..dcp.prefix import AtPrefix, State, data_objects, read_prefix
+from ..engine.bridge import gather_or_cancel
+from ..engine.contract import ObjectStore, StoredObject, Upload
+from ..engine.store import get_store
+from ..errors import MetadataError
 from ..format import layout
 from ..format.layout import Location
-from ..format.record import Checkpoint, check_record_size, decode
+from ..format.record import Checkpoint
 
 __all__ = [
     "CheckpointInfo",
     "Found",
     "Progress",
-    "StoredObject",
-    "Upload",
     "candidates",
     "committed",
-    "data_objects",
-    "is_lease",
+    "found",
     "is_old",
     "live_saves",
     "location_of",
     "newness",
     "readable",
     "run_all",
+    "saves",
     "step_of",
+    "store_for",
     "survey",
-    "transfer_for",
     "uploads",
-    "utc",
 ]
 
 T = TypeVar("T")
@@ -58,9 +56,6 @@ Progress = Callable[[int, int], None]
 
 # The last path component: "step-1000", "step_1000", "global_step1000", "ckpt-00042", "1000".
 _STEP = re.compile(r"(?:[A-Za-z][A-Za-z_]*[-_]?)?(\d+)")
-# An object of a save relative to its checkpoint (layout.data_key, with or without its hash
-# directory, or layout.lease_key); the group is the save id.
-_DATA = re.compile(r"data-([^/]+)/(?:[0-9a-f]+/)?[^/]+")
 
 
 @dataclass(frozen=True)
@@ -88,22 +83,6 @@ class CheckpointInfo:
 
 
 @dataclass(frozen=True)
-class Upload:
-    """A multipart upload in progress."""
-
-    key: str
-    upload_id: str
-    initiated: datetime
-
-
-@dataclass(frozen=True)
-class StoredObject:
-    key: str
-    size: int
-    modified: datetime
-
-
-@dataclass(frozen=True)
 class Found:
     """A checkpoint and what removals need to act on it safely (its record's ETag and size)."""
 
@@ -118,8 +97,8 @@ def location_of(url: str) -> Location:
     return Location(*parse_s3_url(url))
 
 
-def transfer_for(config: S3Config | None) -> Transfer:
-    return get_transfer(config or S3Config())
+def store_for(config: S3Config | None) -> ObjectStore:
+    return get_store(config or S3Config())
 
 
 def step_of(location: Location) -> int | None:
@@ -133,10 +112,10 @@ def newness(info: CheckpointInfo) -> tuple[bool, int, datetime]:
 
 
 async def run_all(
-    call: Callable[[T], Awaitable[R]], items: Iterable[T], transfer: Transfer
+    call: Callable[[T], Awaitable[R]], items: Iterable[T], store: ObjectStore
 ) -> list[R]:
     """``call`` on every item, at most ``max_concurrency`` at a time; results in order."""
-    slots = asyncio.Semaphore(transfer.config.max_concurrency)
+    slots = asyncio.Semaphore(store.config.max_concurrency)
 
     async def one(item: T) -> R:
         async with slots:
@@ -145,130 +124,65 @@ async def run_all(
     return await gather_or_cancel(one(item) for item in items)
 
 
-def _server_time(reply: dict[str, Any]) -> datetime:
-    """The reply's Date, so that ages do not depend on this machine's clock."""
-    date = reply.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
-    try:
-        return email.utils.parsedate_to_datetime(date)
-    except (TypeError, ValueError):
-        return datetime.now(timezone.utc)
-
-
-def utc(when: datetime) -> datetime:
-    return when.astimezone(timezone.utc)
-
-
 def is_old(when: datetime, cutoff: datetime) -> bool:
     """In whole seconds, like the Date header: with ``older_than=0`` all that was listed is old."""
     return when.replace(microsecond=0) <= cutoff
 
 
-async def _list(
-    transfer: Transfer, bucket: str, prefix: str, *, delimiter: bool = False
-) -> tuple[list[StoredObject], list[str], datetime]:
-    """Objects under ``prefix`` (with LastModified), child prefixes, and the server's time."""
-    objects: list[StoredObject] = []
-    prefixes: list[str] = []
-    params: dict[str, Any] = {"Delimiter": "/"} if delimiter else {}
-    now: datetime | None = None
-    while True:
-        reply = await transfer._call(
-            "list_objects_v2", bucket, prefix or None, Prefix=prefix, MaxKeys=1000, **params
-        )
-        now = now or _server_time(reply)
-        objects += [
-            StoredObject(o["Key"], int(o["Size"]), utc(o["LastModified"]))
-            for o in reply.get("Contents", [])
-        ]
-        prefixes += [p["Prefix"] for p in reply.get("CommonPrefixes", [])]
-        if not reply.get("IsTruncated"):
-            return objects, prefixes, now
-        params["ContinuationToken"] = reply["NextContinuationToken"]
-
-
-def is_lease(key: str) -> bool:
-    return key.rpartition("/")[2] == layout.LEASE_NAME
-
-
 def live_saves(data: Iterable[tuple[StoredObject, str]], now: datetime) -> set[str]:
     """Ids of the saves whose lease was refreshed within ``LEASE_TTL`` before ``now``."""
     fresh = now - timedelta(seconds=layout.LEASE_TTL)
-    return {save_id for obj, save_id in data if is_lease(obj.key) and obj.modified > fresh}
+    return {save_id for obj, save_id in data if layout.is_lease(obj.key) and obj.modified > fresh}
 
 
-async def data_objects(
-    transfer: Transfer, location: Location
+async def saves(
+    store: ObjectStore, location: Location
 ) -> tuple[list[tuple[StoredObject, str]], datetime]:
     """The checkpoint's ``data-<id>/`` objects (leases included) with their save ids, and the
     server's time."""
-    objects, _, now = await _list(transfer, location.bucket, location.key("data-"))
+    listing = await store.list_objects(location.bucket, location.key("data-"))
     start = len(location.listing_prefix)
-    matches = ((obj, _DATA.fullmatch(obj.key[start:])) for obj in objects)
-    return [(obj, match.group(1)) for obj, match in matches if match], now
+    found = ((obj, layout.save_of(obj.key[start:])) for obj in listing.objects)
+    return [(obj, save) for obj, save in found if save is not None], listing.server_time
 
 
-async def uploads(transfer: Transfer, location: Location) -> dict[str, list[tuple[Upload, str]]]:
+async def uploads(store: ObjectStore, location: Location) -> dict[str, list[tuple[Upload, str]]]:
     """Multipart uploads of data objects at ``location`` or a child, with their save ids, by
     checkpoint prefix."""
     owners: dict[str, list[tuple[Upload, str]]] = {}
-    prefix, markers = location.listing_prefix, dict[str, Any]()
-    while True:
-        reply = await transfer._call(
-            "list_multipart_uploads", location.bucket, prefix, Prefix=prefix, **markers
-        )
-        for raw in reply.get("Uploads", []):
-            rest = raw["Key"][len(prefix) :]
-            child, _, tail = rest.partition("/")
-            owner, match = location.prefix, _DATA.fullmatch(rest)
-            if match is None and child:
-                owner, match = location.key(child), _DATA.fullmatch(tail)
-            if match is not None:
-                upload = Upload(raw["Key"], raw["UploadId"], utc(raw["Initiated"]))
-                owners.setdefault(owner, []).append((upload, match.group(1)))
-        if not reply.get("IsTruncated"):
-            return owners
-        markers = {"KeyMarker": reply["NextKeyMarker"]}
-        markers["UploadIdMarker"] = reply["NextUploadIdMarker"]
+    prefix = location.listing_prefix
+    for upload in await store.list_uploads(location.bucket, prefix):
+        rest = upload.key[len(prefix) :]
+        child, _, tail = rest.partition("/")
+        owner, save = location.prefix, layout.save_of(rest)
+        if save is None and child:
+            owner, save = location.key(child), layout.save_of(tail)
+        if save is not None:
+            owners.setdefault(owner, []).append((upload, save))
+    return owners
 
 
 async def candidates(
-    transfer: Transfer, location: Location, *, with_uploads: bool = False
+    store: ObjectStore, location: Location, *, with_uploads: bool = False
 ) -> tuple[list[Location], dict[str, list[tuple[Upload, str]]]]:
     """``location`` if it holds a checkpoint, then every child prefix (checkpoint or not), then
     (``with_uploads``) prefixes that hold only uploads; and the uploads by prefix."""
-    objects, prefixes, _ = await _list(
-        transfer, location.bucket, location.listing_prefix, delimiter=True
-    )
-    names = [p[len(location.listing_prefix) :].rstrip("/") for p in prefixes]
-    own = any(o.key == location.metadata_key for o in objects)
+    listing = await store.list_objects(location.bucket, location.listing_prefix, delimiter=True)
+    names = [p[len(location.listing_prefix) :].rstrip("/") for p in listing.prefixes]
+    own = any(o.key == location.metadata_key for o in listing.objects)
     own = own or any(name.startswith("data-") for name in names)
     bucket = location.bucket
     children = [Location(bucket, location.key(n)) for n in names if n and not n.startswith("data-")]
     found = [location, *children] if own else children
-    pending = await uploads(transfer, location) if with_uploads else {}
+    pending = await uploads(store, location) if with_uploads else {}
     known = {c.prefix for c in found}
     return found + [Location(bucket, p) for p in pending if p not in known], pending
 
 
-async def committed(transfer: Transfer, location: Location) -> Found | None:
-    """The committed checkpoint at ``location`` (one GET of ``.metadata``), or None."""
-    key = location.metadata_key
-    try:
-        reply = await transfer._call("get_object", location.bucket, key, Key=key)
-    except ObjectNotFound:
-        return None
-    try:
-        async with reply["Body"] as body:
-            limit = transfer.config.max_record_size
-            check_record_size(reply["ContentLength"], limit, location.metadata_url)
-            raw: bytes = await body.read()
-    except MetadataError:
-        raise
-    except Exception as e:  # the connection broke mid-body
-        raise map_error(
-            e, endpoint=transfer.endpoint, bucket=location.bucket, key=key, operation="get_object"
-        ) from e
-    checkpoint = decode(raw, url=location.metadata_url)
+def found(at: AtPrefix) -> Found:
+    """A committed checkpoint as listings show it."""
+    location, checkpoint = at.location, at.checkpoint
+    assert checkpoint is not None
     try:
         created = datetime.fromtimestamp(checkpoint.created, timezone.utc)
     except (OverflowError, OSError, ValueError):
@@ -280,7 +194,7 @@ async def committed(transfer: Transfer, location: Location) -> Found | None:
         url=location.url,
         prefix=location.prefix,
         committed=True,
-        total_bytes=sum(checkpoint.objects.values()) + len(raw),
+        total_bytes=sum(checkpoint.objects.values()) + at.record_size,
         num_objects=len(checkpoint.objects) + 1,
         created=created,
         step=step_of(location),
@@ -288,43 +202,51 @@ async def committed(transfer: Transfer, location: Location) -> Found | None:
         world_size=world_size if isinstance(world_size, int) else None,
         compression=compression if isinstance(compression, str) else None,
     )
-    return Found(info, location, str(reply["ETag"]), len(raw), checkpoint)
+    return Found(info, location, at.etag, at.record_size, checkpoint)
 
 
-async def readable(transfer: Transfer, location: Location) -> Found | None:
+async def committed(store: ObjectStore, location: Location) -> Found | None:
+    """The committed checkpoint at ``location``, or None; MetadataError if its record cannot
+    be read."""
+    at = await read_prefix(store, location)
+    if at.error is not None:
+        raise at.error
+    return found(at) if at.state is State.COMMITTED else None
+
+
+async def readable(store: ObjectStore, location: Location) -> Found | None:
     """Like `committed`, but an unreadable record is skipped with a warning (listing, latest)."""
     try:
-        return await committed(transfer, location)
+        return await committed(store, location)
     except MetadataError as e:
         log.warning("skipping %s: %s", location.url, e)
         return None
 
 
 async def _inspect(
-    transfer: Transfer, location: Location, pending: list[tuple[Upload, str]]
+    store: ObjectStore, location: Location, pending: list[tuple[Upload, str]]
 ) -> Found | None:
     """The checkpoint at ``location``, committed or not (its ``pending`` uploads count only for an
     incomplete one: a save killed early has nothing else); None if there is none."""
-    unreadable = None
-    try:
-        found = await committed(transfer, location)
-    except MetadataError as e:
-        log.warning("%s: %s", location.url, e)
-        found, unreadable = None, str(e)
-    if found is not None:
-        return found
-    data, _ = await data_objects(transfer, location)
+    at = await read_prefix(store, location)
+    if at.state is State.COMMITTED:
+        return found(at)
+    unreadable = None if at.error is None else str(at.error)
+    if unreadable is not None:
+        log.warning("%s: %s", location.url, unreadable)
+    data = list(at.data) if at.state is State.INCOMPLETE else await data_objects(store, location)
     if not data and not pending and unreadable is None:
         return None
-    ids = {save_id for _, save_id in data + pending}
+    start = len(location.listing_prefix)
+    ids = {layout.save_of(obj.key[start:]) for obj in data} | {save for _, save in pending}
     info = CheckpointInfo(
         url=location.url,
         prefix=location.prefix,
         committed=False,
-        total_bytes=sum(obj.size for obj, _ in data),
+        total_bytes=sum(obj.size for obj in data),
         num_objects=len(data),
         created=max(
-            [obj.modified for obj, _ in data] + [u.initiated for u, _ in pending],
+            [obj.modified for obj in data] + [u.initiated for u, _ in pending],
             default=datetime.fromtimestamp(0, timezone.utc),
         ),
         step=step_of(location),
@@ -336,10 +258,8 @@ async def _inspect(
     return Found(info, location)
 
 
-async def survey(transfer: Transfer, location: Location) -> list[Found]:
+async def survey(store: ObjectStore, location: Location) -> list[Found]:
     """Every checkpoint at and directly under ``location``, committed or not, oldest first."""
-    found_at, pending = await candidates(transfer, location, with_uploads=True)
-    found = await run_all(
-        lambda c: _inspect(transfer, c, pending.get(c.prefix, [])), found_at, transfer
-    )
+    found_at, pending = await candidates(store, location, with_uploads=True)
+    found = await run_all(lambda c: _inspect(store, c, pending.get(c.prefix, [])), found_at, store)
     return sorted((f for f in found if f is not None), key=lambda f: newness(f.info))

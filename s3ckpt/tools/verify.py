@@ -6,12 +6,14 @@ import asyncio
 from dataclasses import dataclass
 
 from ..config import S3Config
-from ..dcp.reader import read_checkpoint
+from ..dcp.prefix import read_prefix
+from ..dcp.reads import run_fetch
 from ..engine import bridge
-from ..engine.store import Transfer, get_transfer
+from ..engine.contract import ObjectStore
+from ..engine.store import get_store
 from ..errors import ChecksumMismatch
-from ..format.frames import FrameCheck, FrameTable
 from ..format.layout import Location
+from ..format.readplan import check_plan
 
 __all__ = ["VerifyReport", "verify"]
 
@@ -32,48 +34,30 @@ def verify(url: str, config: S3Config | None = None) -> VerifyReport:
     Reads run concurrently in ranges of up to ``part_size``. Raises ChecksumMismatch naming the
     first damaged range (and how many there are), or the error that stopped the reading.
     """
-    return bridge.run(_verify(Location.of(url), get_transfer(config or S3Config())))
+    return bridge.run(_verify(Location.of(url), get_store(config)))
 
 
-async def _verify(location: Location, transfer: Transfer) -> VerifyReport:
-    checkpoint = await read_checkpoint(transfer, location)
-    ranges = [
-        (location.key(key), table, start, end)
-        for key, table in sorted(checkpoint.frames.items())
-        for start, end in _spans(table, transfer.config.part_size)
+async def _verify(location: Location, store: ObjectStore) -> VerifyReport:
+    checkpoint = (await read_prefix(store, location)).require()
+    tables = {location.key(key): table for key, table in sorted(checkpoint.frames.items())}
+    limit = store.config.part_size
+    plan = [
+        (fetch, table) for key, table in tables.items() for fetch in check_plan(key, table, limit)
     ]
-
-    async def check(key: str, table: FrameTable, start: int, end: int) -> None:
-        async with transfer.slot():
-            check = FrameCheck(table, start)
-            await transfer.get_scattered(location.bucket, key, start, end, [], check)
-
-    outcomes = await asyncio.gather(*(check(*r) for r in ranges), return_exceptions=True)
+    outcomes = await asyncio.gather(
+        *(run_fetch(store, location.bucket, fetch, table) for fetch, table in plan),
+        return_exceptions=True,
+    )
     damaged = [o for o in outcomes if isinstance(o, ChecksumMismatch)]
     for outcome in outcomes:
         if isinstance(outcome, BaseException) and not isinstance(outcome, ChecksumMismatch):
             raise outcome
     if damaged:
         first = damaged[0]
-        raise ChecksumMismatch(
-            f"{first} ({len(damaged)} damaged range(s) in {location.url})",
-            **{k: v for k, v in first.__dict__.items() if k != "message"},
-        )
-    tables = checkpoint.frames.values()
+        raise first.reworded(f"{first} ({len(damaged)} damaged range(s) in {location.url})")
     return VerifyReport(
         url=location.url,
-        objects=len(checkpoint.frames),
-        frames=sum(len(t.sizes) for t in tables),
-        bytes=sum(t.size for t in tables),
+        objects=len(tables),
+        frames=sum(len(t.sizes) for t in tables.values()),
+        bytes=sum(t.size for t in tables.values()),
     )
-
-
-def _spans(table: FrameTable, limit: int) -> list[tuple[int, int]]:
-    """Consecutive whole-frame ranges of about ``limit`` bytes that cover the object."""
-    spans: list[tuple[int, int]] = []
-    start = 0
-    for end in table.starts[1:]:
-        if end - start >= limit or end == table.size:
-            spans.append((start, end))
-            start = end
-    return spans

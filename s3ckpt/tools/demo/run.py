@@ -4,7 +4,6 @@ reference, and compare the two runs bit for bit."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -16,8 +15,8 @@ import torch
 from ... import S3Config
 from ...config import parse_s3_url
 from ...engine import bridge
-from ...engine.store import Transfer, get_transfer
-from ...errors import ObjectNotFound
+from ...engine.contract import ObjectStore
+from ...engine.store import get_store
 from .. import catalog
 from . import report
 from .child import Child, DemoError
@@ -88,12 +87,12 @@ class Demo:
         self.run_url = f"s3://{args.bucket}/demo-{int(time.time())}"
         self.train_url = f"{self.run_url}/train"
         self.reference_url = f"{self.run_url}/reference"
-        self.transfer = get_transfer(config)
+        self.store = get_store(config)
         self.children: list[Child] = []
         self.gc_window = (0.0, 0.0)
 
     def run(self) -> int:
-        bridge.run(self.transfer.create_bucket(self.args.bucket))
+        bridge.run(self.store.create_bucket(self.args.bucket))
         try:
             first = self._interrupted()
             self._collect_garbage()
@@ -147,7 +146,7 @@ class Demo:
         if not left or left[0].committed:
             raise DemoError(f"step {step} was committed before the kill landed")
         bucket, prefix = parse_s3_url(left[0].url)
-        uploads = bridge.run(self.transfer.list_uploads(bucket, f"{prefix}/"))
+        uploads = bridge.run(self.store.list_uploads(bucket, f"{prefix}/"))
         print(
             f"  left behind at {left[0].url}: no .metadata, {left[0].num_objects} data objects "
             f"({left[0].total_bytes / 1e6:.1f} MB), {len(uploads)} multipart upload(s)"
@@ -160,7 +159,7 @@ class Demo:
         bucket, prefix = parse_s3_url(f"{self.train_url}/step-{step:05d}")
         deadline = time.monotonic() + _CATCH_TIMEOUT_S
         while time.monotonic() < deadline and child.proc.poll() is None:
-            found = bridge.run(_in_flight(self.transfer, bucket, prefix))
+            found = bridge.run(_in_flight(self.store, bucket, prefix))
             if found is None:
                 break
             if found[1]:
@@ -249,15 +248,13 @@ class Demo:
         )
 
 
-async def _in_flight(transfer: Transfer, bucket: str, prefix: str) -> tuple[int, int] | None:
+async def _in_flight(store: ObjectStore, bucket: str, prefix: str) -> tuple[int, int] | None:
     """Uploads open under ``prefix`` and the bytes of their parts; None once it is committed."""
-    open_uploads = await transfer.list_uploads(bucket, f"{prefix}/")
+    open_uploads = await store.list_uploads(bucket, f"{prefix}/")
     if not open_uploads:
-        committed = await transfer.head(bucket, f"{prefix}/.metadata")
+        committed = await store.head(bucket, f"{prefix}/.metadata")
         return None if committed is not None else (0, 0)
     uploaded = 0
-    for key, upload_id in open_uploads:
-        with contextlib.suppress(ObjectNotFound):  # completed or aborted since the listing
-            reply = await transfer._call("list_parts", bucket, key, Key=key, UploadId=upload_id)
-            uploaded += sum(int(part["Size"]) for part in reply.get("Parts", []))
+    for upload in open_uploads:
+        uploaded += sum(part.size for part in await store.list_parts(bucket, upload))
     return len(open_uploads), uploaded

@@ -1,9 +1,9 @@
 """The training process: a small causal LM on Python's help texts, checkpointed with async_save.
 
-It runs as ``python -m s3ckpt.tools.demo --child train --url s3://bucket/run ...`` so that the demo can
-SIGKILL it. On start it resumes from the latest committed checkpoint under the URL, if there is
-one. It reports every step, save and resume as one JSON line on stdout (`Events`); the parent
-reads them to time the run, to know when an upload is under way, and to compare loss curves.
+It runs as ``python -m s3ckpt.tools.demo --child train --url s3://bucket/run ...`` so that the
+demo can SIGKILL it. On start it resumes from the latest committed checkpoint under the URL, if
+there is one. It reports every step, save and resume as one JSON line on stdout (`Events`); the
+parent reads them to time the run, to know when an upload is under way, and to compare loss curves.
 
 Exact continuation needs everything a step depends on in the checkpoint: the model, the optimizer
 (moments and step counts), the data order (the batch generator's state) and the global RNG, plus
@@ -22,9 +22,10 @@ from concurrent.futures import Future
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_loader import load
+from torch.distributed.checkpoint.state_dict_saver import async_save
 
 from ... import S3Reader, S3Writer
 from .. import catalog
@@ -49,7 +50,8 @@ class TinyLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens) + self.position[: tokens.shape[1]]
-        return self.head(self.blocks(x, mask=self.mask, is_causal=True))
+        logits: torch.Tensor = self.head(self.blocks(x, mask=self.mask, is_causal=True))
+        return logits
 
 
 def corpus() -> tuple[torch.Tensor, int]:
@@ -134,7 +136,7 @@ def _resume(
         return 0
     started = time.time()
     state = training_state(model, optimizer, batches, 0)
-    dcp.load(state, checkpoint_id=found.url, storage_reader=S3Reader(found.url))
+    load(state, checkpoint_id=found.url, storage_reader=S3Reader(found.url))
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
@@ -173,7 +175,7 @@ def train(url: str, steps: int, every: int, batch: int) -> None:
         logits = model(tokens[:, :-1])
         loss = nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
         optimizer.zero_grad()
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         optimizer.step()
         emit("step", step=step, loss=loss.item(), t0=started, t1=time.time())
         if step % every:
@@ -182,9 +184,7 @@ def train(url: str, steps: int, every: int, batch: int) -> None:
         if pending is not None:
             pending.result()  # the writer saves one at a time; this also raises its failure
         state = training_state(model, optimizer, batches, step)
-        future = dcp.async_save(
-            state, checkpoint_id=f"{url}/step-{step:05d}", storage_writer=writer
-        )
+        future = async_save(state, checkpoint_id=f"{url}/step-{step:05d}", storage_writer=writer)
         assert isinstance(future, Future)  # the writer stages at once: no AsyncSaveResponse
         emit("save", step=step, t0=started, t1=time.time(), bytes=state_bytes(state))
         future.add_done_callback(_report_saved(emit, step))

@@ -1,0 +1,58 @@
+"""What `S3Writer` and `S3Reader` share: where the checkpoint is, how DCP's ``checkpoint_id``
+moves it, and the torch Future that DCP waits on."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Any, TypeVar
+
+import torch.futures
+
+from ..config import S3Config
+from ..engine.contract import ObjectStore
+from ..engine.store import get_store
+from ..format.layout import Location
+
+__all__ = ["AtLocation", "to_torch_future"]
+
+T = TypeVar("T")
+
+
+class AtLocation:
+    """A storage adapter for the checkpoint at ``location``, using the store for ``config``."""
+
+    def __init__(self, bucket: str, prefix: str, config: S3Config | None) -> None:
+        self.location = Location.of(bucket, prefix)
+        self.config = config or S3Config()
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.location.url
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | Any) -> bool:
+        return isinstance(checkpoint_id, str) and checkpoint_id.startswith("s3://")
+
+    def _move(self, checkpoint_id: str | Any) -> None:
+        """DCP's ``checkpoint_id``: an ``s3://`` URL, or a prefix in the same bucket."""
+        if checkpoint_id is not None:
+            self.location = self.location.moved_to(str(checkpoint_id))
+
+    @property
+    def _store(self) -> ObjectStore:
+        return get_store(self.config)
+
+
+def to_torch_future(done: concurrent.futures.Future[T]) -> torch.futures.Future[T]:
+    """A torch Future (what DCP waits on) that completes as ``done`` does."""
+    future: torch.futures.Future[T] = torch.futures.Future()
+
+    def complete(cf: concurrent.futures.Future[T]) -> None:
+        error = concurrent.futures.CancelledError() if cf.cancelled() else cf.exception()
+        if error is None:
+            future.set_result(cf.result())
+        else:
+            future.set_exception(error)  # type: ignore[arg-type]  # torch types it as T
+
+    done.add_done_callback(complete)
+    return future

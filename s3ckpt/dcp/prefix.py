@@ -1,0 +1,108 @@
+"""What a prefix holds: a committed checkpoint, an incomplete one, nothing, or an unreadable
+record. The one reader of commit records: loads, verify, the catalog, gc and the commit's
+read-back all go through `read_prefix`, so they agree on what each state means.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from ..engine.contract import ObjectStore, StoredObject, Upload
+from ..engine.retry import RetryPolicy
+from ..errors import CheckpointNotFound, IncompleteCheckpoint, MetadataError, ObjectNotFound
+from ..format import layout
+from ..format.layout import Location
+from ..format.record import Checkpoint, check_record_size, decode
+
+__all__ = ["AtPrefix", "State", "data_objects", "read_prefix", "read_record"]
+
+
+class State(enum.Enum):
+    COMMITTED = "committed"  # a readable ``.metadata``
+    INCOMPLETE = "incomplete"  # no ``.metadata``, but data objects or uploads of a save
+    NOTHING = "nothing"  # neither
+    UNREADABLE = "unreadable"  # a ``.metadata`` that cannot be decoded (or is too large)
+
+
+@dataclass(frozen=True)
+class AtPrefix:
+    """What `read_prefix` found at ``location``."""
+
+    location: Location
+    state: State
+    checkpoint: Checkpoint | None = None  # COMMITTED
+    etag: str | None = None  # COMMITTED: the record's, for removals that must not race a save
+    record_size: int = 0  # COMMITTED
+    error: MetadataError | None = None  # UNREADABLE: why
+    data: tuple[StoredObject, ...] = ()  # INCOMPLETE: the data objects (and leases) of saves
+    uploads: tuple[Upload, ...] = ()  # INCOMPLETE without data objects: uploads of saves
+
+    def require(self) -> Checkpoint:
+        """The committed checkpoint, or the error that says why there is none."""
+        location = self.location
+        if self.checkpoint is not None:
+            return self.checkpoint
+        if self.error is not None:
+            raise self.error
+        if self.state is State.INCOMPLETE:
+            example = self.data[0].key if self.data else self.uploads[0].key
+            raise IncompleteCheckpoint(
+                f"{location.url} is incomplete: objects or uploads exist (e.g. s3://"
+                f"{location.bucket}/{example}) but no .metadata — a save failed, was killed, "
+                "or is running",
+                url=location.url,
+            )
+        raise CheckpointNotFound(
+            f"no checkpoint at {location.url}: nothing is stored at this prefix (no .metadata, "
+            "no data objects of a save)",
+            url=location.url,
+        )
+
+
+async def read_record(
+    store: ObjectStore, location: Location, retry: RetryPolicy | None = None
+) -> tuple[bytes, str] | None:
+    """The raw record and its ETag (``None``: there is none); one over
+    ``max_record_size`` raises MetadataError before its body is read."""
+    limit, url = store.config.max_record_size, location.metadata_url
+    try:
+        blob = await store.get(
+            location.bucket,
+            location.metadata_key,
+            check_size=lambda size: check_record_size(size, limit, url),
+            retry=retry,
+        )
+    except ObjectNotFound:
+        return None
+    return blob.data, blob.etag
+
+
+async def read_prefix(store: ObjectStore, location: Location) -> AtPrefix:
+    """One GET of ``.metadata``; without one, a listing of data objects (and of uploads if
+    there are none)."""
+    try:
+        found = await read_record(store, location)
+    except MetadataError as e:
+        return AtPrefix(location, State.UNREADABLE, error=e)
+    if found is not None:
+        raw, etag = found
+        try:
+            checkpoint = decode(raw, url=location.metadata_url)
+        except MetadataError as e:
+            return AtPrefix(location, State.UNREADABLE, error=e)
+        return AtPrefix(location, State.COMMITTED, checkpoint, etag, len(raw))
+    data = tuple(await data_objects(store, location))
+    if data:
+        return AtPrefix(location, State.INCOMPLETE, data=data)
+    uploads = tuple(await store.list_uploads(location.bucket, location.key("data-")))
+    if uploads:
+        return AtPrefix(location, State.INCOMPLETE, uploads=uploads)
+    return AtPrefix(location, State.NOTHING)
+
+
+async def data_objects(store: ObjectStore, location: Location) -> list[StoredObject]:
+    """The objects of saves at ``location`` (data objects and leases, committed or not)."""
+    listing = await store.list_objects(location.bucket, location.key("data-"))
+    start = len(location.listing_prefix)
+    return [o for o in listing.objects if layout.save_of(o.key[start:]) is not None]

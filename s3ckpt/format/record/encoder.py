@@ -1,0 +1,263 @@
+""":func:`encode`, and the checks by which it refuses to commit a record that cannot be loaded."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
+
+from ...errors import MetadataError
+from ..frames import FrameTable
+from ..jsoncheck import Invalid, all_counts, fail, is_count, joined, show
+from .model import (
+    DTYPE_NAMES,
+    FORMAT,
+    FORMAT_VERSION,
+    LAYOUT_NAMES,
+    MEMORY_FORMAT_NAMES,
+    TUPLE_TAG,
+    Locator,
+    check_locator,
+    gc_paused,
+    is_valid_key,
+)
+from .tiling import Box, check_chunk, check_extent, check_tiling
+
+_MAX_DEPTH = 64  # planner_data / extra nesting; deeper is almost surely a reference cycle.
+
+
+def encode(
+    metadata: Metadata,
+    locators: Mapping[MetadataIndex, Locator],
+    *,
+    save_id: str,
+    created: float,
+    objects: Mapping[str, int],
+    frames: Mapping[str, FrameTable],
+    extra: Mapping[str, Any] | None = None,
+) -> bytes:
+    """Serialize a commit record; raises MetadataError rather than commit one that cannot load.
+
+    ``locators`` must hold exactly one entry per tensor chunk and bytes item of ``metadata``;
+    ``metadata.storage_data`` is ignored (the locators are the storage data).
+    """
+    try:
+        with gc_paused():
+            for key, size in objects.items():
+                if key not in frames or frames[key].size != size:
+                    fail(f"objects[{key!r}]: no frame table of {show(size)} stored bytes")
+            if set(frames) - set(objects):
+                fail("frames: a frame table for an object not in objects")
+            # Locators point into raw (uncompressed) bytes; `objects` records stored sizes.
+            raw_sizes = {key: table.raw_size for key, table in frames.items()}
+            record = _encode_record(metadata, locators, save_id, created, raw_sizes, extra)
+            record["objects"] = dict(objects)
+            record["frames"] = {key: table.to_json() for key, table in frames.items()}
+            text = json.dumps(
+                record, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+            )
+            return text.encode("utf-8")
+    except Invalid as exc:
+        raise MetadataError(f"cannot encode checkpoint metadata: {exc}", url=None) from None
+    except UnicodeEncodeError as exc:  # a lone surrogate in some name
+        raise MetadataError(f"cannot encode checkpoint metadata: {exc}", url=None) from None
+
+
+def _encode_record(
+    metadata: Metadata,
+    locators: Mapping[MetadataIndex, Locator],
+    save_id: str,
+    created: float,
+    objects: Mapping[str, int],
+    extra: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    if not isinstance(metadata, Metadata):
+        fail(f"metadata: expected a DCP Metadata, got {type(metadata).__name__}")
+    if not isinstance(save_id, str):
+        fail(f"save_id: expected a str, got {show(save_id)}")
+    if (
+        not isinstance(created, (int, float))
+        or isinstance(created, bool)
+        or not math.isfinite(created)
+    ):
+        fail(f"created: expected a finite unix time, got {show(created)}")
+    if metadata.version is not None and not isinstance(metadata.version, str):
+        fail(f"metadata.version: expected a str or None, got {show(metadata.version)}")
+    if not isinstance(metadata.state_dict_metadata, Mapping):
+        fail("metadata.state_dict_metadata: expected a dict")
+
+    object_sizes: dict[str, int] = {}
+    for key, size in objects.items():
+        if not is_valid_key(key):
+            fail(f"objects: {show(key)} is not a relative object key")
+        if not is_count(size):
+            fail(f"objects[{key!r}]: expected a size in bytes, got {show(size)}")
+        object_sizes[key] = size
+
+    used: set[MetadataIndex] = set()
+
+    def locate(index: MetadataIndex, where: str) -> dict[str, Any]:
+        locator = locators.get(index)
+        if locator is None:
+            fail(f"{where}: no locator for this item (every chunk and bytes item needs one)")
+        if not isinstance(locator, Locator):
+            fail(f"{where}: expected a Locator, got {type(locator).__name__}")
+        check_locator(locator, object_sizes, where)
+        used.add(index)
+        return {"key": locator.key, "offset": locator.offset, "length": locator.length}
+
+    state_dict: dict[str, Any] = {}
+    for fqn, item in metadata.state_dict_metadata.items():
+        where = f"state_dict[{fqn!r}]"
+        if not isinstance(fqn, str):
+            fail(f"{where}: fqn must be a str")
+        if isinstance(item, TensorStorageMetadata):
+            state_dict[fqn] = _encode_tensor(fqn, item, locate, where)
+        elif isinstance(item, BytesStorageMetadata):
+            state_dict[fqn] = {"type": "bytes", "locator": locate(MetadataIndex(fqn), where)}
+        else:
+            fail(f"{where}: unsupported storage metadata {type(item).__name__}")
+
+    unused = [index for index in locators if index not in used]
+    if unused:
+        shown = ", ".join(f"({i.fqn!r}, {show(i.offset)})" for i in unused[:3])
+        fail(f"{len(unused)} locator(s) match no item in the metadata, e.g. {shown}")
+
+    return {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "save_id": save_id,
+        "created": float(created),
+        "dcp_version": metadata.version,
+        "objects": object_sizes,
+        "extra": _to_json(dict(extra or {}), "extra", tag_tuples=False, depth=0),
+        "storage_meta": _encode_storage_meta(metadata.storage_meta),
+        "planner_data": _to_json(metadata.planner_data, "planner_data", tag_tuples=True, depth=0),
+        "state_dict": state_dict,
+    }
+
+
+def _encode_tensor(
+    fqn: str,
+    item: TensorStorageMetadata,
+    locate: Callable[[MetadataIndex, str], dict[str, Any]],
+    where: str,
+) -> dict[str, Any]:
+    props = item.properties
+    dtype = DTYPE_NAMES.get(props.dtype)
+    if dtype is None:
+        fail(f"{where}: dtype {props.dtype} is not supported")
+    layout = LAYOUT_NAMES.get(props.layout)
+    if layout is None:
+        fail(f"{where}: layout {props.layout} is not supported")
+    memory_format = MEMORY_FORMAT_NAMES.get(props.memory_format)
+    if memory_format is None:
+        fail(f"{where}: memory format {props.memory_format} is not supported")
+    size = _encode_counts(item.size, where, "size")
+    chunks: list[dict[str, Any]] = []
+    seen: set[tuple[int, ...]] = set()
+    boxes: list[Box] = []
+    volume = 0
+    for position, chunk in enumerate(item.chunks):
+        at = f"{where}.chunks[{position}]"
+        offsets = _encode_counts(chunk.offsets, at, "offsets")
+        sizes = _encode_counts(chunk.sizes, at, "sizes")
+        check_chunk(offsets, sizes, size, at)
+        if tuple(offsets) in seen:
+            fail(f"{at}: two chunks start at offsets {offsets}")
+        seen.add(tuple(offsets))
+        locator = locate(MetadataIndex(fqn, offsets), at)
+        count = check_extent(locator["length"], sizes, props.dtype, at)
+        if count:
+            boxes.append((position, offsets, sizes))
+        volume += count
+        chunks.append({"offsets": offsets, "sizes": sizes, "locator": locator})
+    check_tiling(size, volume, boxes, where)
+    return {
+        "type": "tensor",
+        "dtype": dtype,
+        "size": size,
+        "layout": layout,
+        "memory_format": memory_format,
+        "requires_grad": bool(props.requires_grad),
+        "pin_memory": bool(props.pin_memory),
+        "chunks": chunks,
+    }
+
+
+def _encode_counts(values: Any, where: str, name: str) -> list[int]:
+    try:
+        counts = list(values)
+    except TypeError:
+        fail(f"{joined(where, name)}: expected a sequence of ints, got {show(values)}")
+    if all_counts(counts):
+        return counts
+    if not all(is_count(value) for value in counts):
+        fail(f"{joined(where, name)}: expected non-negative ints, got {show(values)}")
+    return [int(value) for value in counts]
+
+
+def _encode_storage_meta(meta: StorageMeta | None) -> dict[str, Any] | None:
+    if meta is None:
+        return None
+    if not isinstance(meta, StorageMeta):
+        fail(f"storage_meta: expected a StorageMeta, got {type(meta).__name__}")
+    checkpoint_id = meta.checkpoint_id
+    if checkpoint_id is not None:
+        try:
+            checkpoint_id = os.fsdecode(checkpoint_id)
+        except TypeError:
+            fail(f"storage_meta.checkpoint_id: expected a str or path, got {show(checkpoint_id)}")
+    for name in ("save_id", "load_id"):
+        value = getattr(meta, name)
+        if value is not None and not isinstance(value, str):
+            fail(f"storage_meta.{name}: expected a str or None, got {show(value)}")
+    modules = list(meta.modules or [])
+    if not all(isinstance(module, str) for module in modules):
+        fail(f"storage_meta.modules: expected a list of str, got {show(meta.modules)}")
+    return {
+        "checkpoint_id": checkpoint_id,
+        "save_id": meta.save_id,
+        "load_id": meta.load_id,
+        "modules": modules,
+    }
+
+
+def _to_json(value: Any, where: str, *, tag_tuples: bool, depth: int) -> Any:
+    """Copy ``value`` as plain JSON data; tuples become tagged objects when ``tag_tuples``."""
+    if depth > _MAX_DEPTH:
+        fail(f"{where}: nested more than {_MAX_DEPTH} deep (a reference cycle?)")
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            fail(f"{where}: {value} cannot be stored in JSON")
+        return float(value)
+    if isinstance(value, (list, tuple)):
+        items = [
+            _to_json(v, f"{where}[{i}]", tag_tuples=tag_tuples, depth=depth + 1)
+            for i, v in enumerate(value)
+        ]
+        return {TUPLE_TAG: items} if tag_tuples and isinstance(value, tuple) else items
+    if isinstance(value, Mapping):
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            if not isinstance(key, str):
+                fail(f"{where}: key {show(key)} is not a str (JSON keys must be)")
+            out[key] = _to_json(item, f"{where}[{key!r}]", tag_tuples=tag_tuples, depth=depth + 1)
+        if tag_tuples and list(out) == [TUPLE_TAG]:
+            fail(f"{where}: a dict with the single key {TUPLE_TAG!r} would read back as a tuple")
+        return out
+    fail(f"{where}: {type(value).__name__} value {show(value)} cannot be stored in JSON")

@@ -1,0 +1,110 @@
+"""The commit protocol: overwrite rules, failed saves, and a commit race, on real servers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import WriteItem
+
+from s3ckpt import CheckpointExists, S3Reader, S3Writer
+from s3ckpt.config import MiB
+from tests.helpers import listing, raised, uploads_in_progress
+
+SMALL_PARTS = {"part_size": 5 * MiB, "multipart_threshold": 5 * MiB, "max_concurrency": 2}
+
+
+def save(s3: Any, bucket: str, prefix: str, state: dict[str, Any], **kwargs: Any) -> None:
+    config = s3.config(**SMALL_PARTS)
+    dcp.save(state, storage_writer=S3Writer(bucket, prefix, config=config, **kwargs))
+
+
+def load(
+    s3: Any, bucket: str, prefix: str, like: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    loaded = {k: torch.zeros_like(v) for k, v in like.items()}
+    dcp.load(loaded, storage_reader=S3Reader(bucket, prefix, config=s3.config()))
+    return loaded
+
+
+def test_saving_over_a_committed_checkpoint_is_refused_before_upload(s3: Any, bucket: str) -> None:
+    first = {"w": torch.randn(1000)}
+    save(s3, bucket, "ck", first)
+    before = listing(s3.client, bucket)
+    error = raised(lambda: save(s3, bucket, "ck", {"w": torch.randn(1000)}))
+    assert isinstance(error, CheckpointExists)
+    assert f"s3://{bucket}/ck" in str(error) and "overwrite=True" in str(error)
+    assert listing(s3.client, bucket) == before
+    assert torch.equal(load(s3, bucket, "ck", first)["w"], first["w"])
+
+
+def test_overwrite_replaces_and_deletes_the_old_objects(s3: Any, bucket: str) -> None:
+    save(s3, bucket, "ck", {"w": torch.randn(1000)})
+    old_data = {k for k in listing(s3.client, bucket) if "/data-" in k}
+    second = {"w": torch.randn(1000)}
+    save(s3, bucket, "ck", second, overwrite=True)
+    keys = set(listing(s3.client, bucket))
+    assert not old_data & keys
+    assert len([k for k in keys if "/data-" in k]) == len(old_data)
+    assert torch.equal(load(s3, bucket, "ck", second)["w"], second["w"])
+
+
+def test_a_save_failing_midway_leaves_the_previous_checkpoint_intact(s3: Any, bucket: str) -> None:
+    previous = {"big": torch.randn(6 * MiB), "small": torch.randn(100)}
+    save(s3, bucket, "ck", previous)
+    before = listing(s3.client, bucket)
+    metadata_before = s3.client.get_object(Bucket=bucket, Key="ck/.metadata")["Body"].read()
+    # A meta tensor has no bytes: producing its part raises after other parts went up. The big
+    # tensor spans several parts uploaded concurrently, so the failure lands mid-upload.
+    failing = {
+        "big": torch.randn(6 * MiB),
+        "small": torch.randn(100),
+        "x": torch.empty(MiB, device="meta"),
+    }
+    error = raised(lambda: save(s3, bucket, "ck", failing, overwrite=True, objects_per_rank=2))
+    assert "meta" in str(error)
+    assert uploads_in_progress(s3.client, bucket) == []
+    assert listing(s3.client, bucket) == before
+    assert s3.client.get_object(Bucket=bucket, Key="ck/.metadata")["Body"].read() == metadata_before
+    loaded = load(s3, bucket, "ck", previous)
+    assert all(torch.equal(loaded[k], previous[k]) for k in previous)
+
+
+def test_of_two_racing_saves_exactly_one_commits(s3: Any, bucket: str) -> None:
+    winner = {"w": torch.full((64,), 1.0)}
+    config = s3.config()
+
+    class RacingPlanner(DefaultSavePlanner):
+        """Lets another save commit after this one passed its existence check."""
+
+        raced = False
+
+        def resolve_data(self, write_item: WriteItem) -> Any:
+            if not self.raced:
+                self.raced = True
+                dcp.save(winner, storage_writer=S3Writer(bucket, "ck", config=config))
+            return super().resolve_data(write_item)
+
+    loser = {"w": torch.full((64,), 2.0)}
+    writer = S3Writer(bucket, "ck", config=config)
+    error = raised(lambda: dcp.save(loser, storage_writer=writer, planner=RacingPlanner()))
+    assert isinstance(error, CheckpointExists)
+    data = {k.split("/")[1] for k in listing(s3.client, bucket) if "/data-" in k}
+    assert len(data) == 1, "the loser's objects must be deleted"
+    assert torch.equal(load(s3, bucket, "ck", winner)["w"], winner["w"])
+
+
+def test_dcp_plan_caching_never_touches_a_committed_checkpoint(s3: Any, bucket: str) -> None:
+    """Cached plans carry an earlier save's id: a later save that fails must still not delete
+    (or rewrite) the objects the committed checkpoint references."""
+    planner = DefaultSavePlanner(enable_plan_caching=True)
+    writer = S3Writer(bucket, "ck", config=s3.config(), overwrite=True)
+    first = {"w": torch.full((1000,), 1.0)}
+    dcp.save(first, storage_writer=writer, planner=planner)
+    second = {"w": torch.full((1000,), 2.0)}
+    dcp.save(second, storage_writer=writer, planner=planner)
+    failing = {"w": torch.empty(1000, device="meta")}  # same plan; fails while uploading
+    raised(lambda: dcp.save(failing, storage_writer=writer, planner=planner))
+    assert torch.equal(load(s3, bucket, "ck", second)["w"], second["w"])

@@ -1,0 +1,266 @@
+"""Retries last as long as ``retry_timeout`` allows, and a trickling body cannot hold a load.
+
+A store that restarts or browns out (every request answered 503 SlowDown for a few seconds) must
+cost a save or a load time, not the checkpoint; one that stays down must fail, typed, soon after
+one window; a GET whose body trickles is cut at its deadline and resumed where it got. Bounds on
+how long a failure takes are generous: they catch a hang or a second window, no performance goal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from botocore.exceptions import ClientError
+
+from s3ckpt import EndpointUnreachable, S3Reader, S3Writer, StorageError
+from s3ckpt.cli import main
+from s3ckpt.config import MiB, S3Config
+from s3ckpt.engine.calls import Calls
+from s3ckpt.engine.store import get_store
+from tests.faultproxy import FaultProxy, Status, Trickle
+from tests.helpers import raised
+from tests.integration.test_faultproxy import client_for
+from tests.integration.test_faults import assert_equal, state, zeros
+
+SMALL_PARTS = {"part_size": 5 * MiB, "multipart_threshold": 5 * MiB}
+BROWNOUT_S = 5.0
+# A store that stays down: a short window and short timeouts, so that failing takes seconds.
+SHORT = {"retry_timeout": 3.0, "connect_timeout": 1.0, "read_timeout": 1.0}
+WINDOW_S = SHORT["retry_timeout"]
+FAILS_WITHIN_S = WINDOW_S + SHORT["connect_timeout"] + SHORT["read_timeout"] + 5
+
+
+def timed_failure(call: Callable[[], Any]) -> tuple[BaseException, float]:
+    began = time.monotonic()
+    error = raised(call)
+    return error, time.monotonic() - began
+
+
+def dead_endpoint() -> str:
+    """A port on 127.0.0.1 that nothing listens on: connections are refused."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{probe.getsockname()[1]}"
+
+
+def test_the_proxy_can_brown_out_for_a_while_and_trickle(s3: Any, bucket: str) -> None:
+    """What the tests below rely on: a rule ``for_seconds`` stops firing when its time is up;
+    `Trickle` delivers the whole body, intact, at its rate, in pieces a read timeout tolerates."""
+    data = os.urandom(64 * 1024)
+    s3.client.put_object(Bucket=bucket, Key="k", Body=data)
+    with FaultProxy(s3.endpoint_url) as proxy:
+        client = client_for(s3, proxy.endpoint_url, read_timeout=0.5)
+        brownout = proxy.add_rule(Status(503, "SlowDown"), for_seconds=0.5)
+        with pytest.raises(ClientError, match="SlowDown"):
+            client.get_object(Bucket=bucket, Key="k")
+        time.sleep(0.6)
+        assert client.get_object(Bucket=bucket, Key="k")["Body"].read() == data
+        assert brownout.fired == 1
+        proxy.add_rule(Trickle(128 * 1024), op="GetObject", times=1)
+        began = time.monotonic()
+        assert client.get_object(Bucket=bucket, Key="k")["Body"].read() == data
+        assert time.monotonic() - began >= 0.4, "64 KiB at 128 KiB/s take half a second"
+
+
+def test_retries_are_bounded_by_time_by_default() -> None:
+    assert S3Config().max_attempts is None and S3Config().retry_timeout == 60
+    assert S3Config(max_attempts=3).max_attempts == 3, "a cap given is kept"
+    assert S3Config().min_read_rate > 0
+    for invalid in ({"min_read_rate": 0}, {"max_attempts": 0}):
+        with pytest.raises(ValueError):
+            S3Config(**invalid)  # type: ignore[arg-type]
+
+
+def test_a_five_second_brownout_fails_neither_a_save_nor_a_load(s3: Any, bucket: str) -> None:
+    saved = state(5)
+    with FaultProxy(s3.endpoint_url) as proxy:
+        config = s3.config(endpoint_url=proxy.endpoint_url, **SMALL_PARTS)
+        writer = S3Writer(bucket, "ck", config=config)
+        save_brownout = proxy.add_rule(Status(503, "SlowDown"), for_seconds=BROWNOUT_S)
+        dcp.save(saved, storage_writer=writer)
+        loaded = zeros(saved)
+        reader = S3Reader(bucket, "ck", config=config)
+        load_brownout = proxy.add_rule(Status(503, "SlowDown"), for_seconds=BROWNOUT_S)
+        dcp.load(loaded, storage_reader=reader)
+    assert_equal(loaded, saved)
+    # The first request alone failed more often than the old five attempts allowed.
+    assert save_brownout.fired > 5 and load_brownout.fired > 5
+
+
+@pytest.mark.parametrize("operation", ["save", "load"])
+@pytest.mark.parametrize("outage", ["503 SlowDown", "connection refused"])
+def test_a_store_that_stays_down_fails_typed_after_one_window(
+    s3: Any, bucket: str, outage: str, operation: str
+) -> None:
+    saved = {"w": torch.arange(1000.0)}
+    dcp.save(saved, storage_writer=S3Writer(bucket, "ck", config=s3.config()))
+    with FaultProxy(s3.endpoint_url) as proxy:
+        if outage == "503 SlowDown":
+            proxy.add_rule(Status(503, "SlowDown"))
+            endpoint, expected, status = proxy.endpoint_url, StorageError, 503
+        else:
+            endpoint, expected, status = dead_endpoint(), EndpointUnreachable, None
+        config = s3.config(endpoint_url=endpoint, **SHORT)
+        if operation == "save":
+            writer = S3Writer(bucket, "other", config=config)
+            error, elapsed = timed_failure(lambda: dcp.save(saved, storage_writer=writer))
+        else:
+            error, elapsed = timed_failure(S3Reader(bucket, "ck", config=config).read_metadata)
+    assert isinstance(error, expected), error
+    assert error.status == status and bucket in str(error), error
+    # It kept trying for the whole window (the old five attempts gave up after 1.5 s), then
+    # gave up within one more attempt.
+    assert WINDOW_S - 0.2 <= elapsed < FAILS_WITHIN_S, elapsed
+
+
+def test_a_store_that_goes_down_mid_save_fails_it_after_one_window(s3: Any, bucket: str) -> None:
+    """The cleanup of the failed save (aborts, deletes) does not wait out windows of its own: the
+    store was just found down. The window is long enough that neither the old five attempts per
+    step (1.5 s each) nor a window per cleanup step fit the bounds."""
+    window = {**SHORT, "retry_timeout": 8.0}
+    with FaultProxy(s3.endpoint_url) as proxy:
+        config = s3.config(endpoint_url=proxy.endpoint_url, **window, **SMALL_PARTS)
+        proxy.add_rule(Status(503, "SlowDown"), after=10)  # down from the 11th request on
+        writer = S3Writer(bucket, "ck", config=config)
+        error, elapsed = timed_failure(lambda: dcp.save(state(6), storage_writer=writer))
+    assert isinstance(error, StorageError) and error.status == 503, error
+    assert 8.0 - 0.2 <= elapsed < 8.0 + 2 + 5, elapsed
+
+
+def test_a_trickling_get_is_cut_at_its_deadline_and_resumed(s3: Any, bucket: str) -> None:
+    saved = {"w": torch.randn(2 * MiB)}  # 8 MiB, checked in frames of 4 KiB
+    dcp.save(saved, storage_writer=S3Writer(bucket, "ck", config=s3.config(), frame_size=4096))
+    with FaultProxy(s3.endpoint_url) as proxy:
+        # A GET's deadline: 1 s + its size at 8 MiB/s; the trickle sends 64 KiB/s.
+        config = s3.config(endpoint_url=proxy.endpoint_url, read_timeout=1.0, min_read_rate=8 * MiB)
+        stats = get_store(config).stats
+
+        def load() -> tuple[dict[str, torch.Tensor], int, int]:
+            before = dataclasses.replace(stats)
+            loaded = {"w": torch.zeros(2 * MiB)}
+            dcp.load(loaded, storage_reader=S3Reader(bucket, "ck", config=config))
+            return (
+                loaded,
+                stats.requests - before.requests,
+                stats.bytes_received - before.bytes_received,
+            )
+
+        _, requests, received = load()
+        rule = proxy.add_rule(Trickle(64 * 1024), op="GetObject", key="/data-", times=1)
+        loaded, trickled_requests, trickled_received = load()
+    assert torch.equal(loaded["w"], saved["w"])
+    assert rule.fired == 1
+    assert trickled_requests == requests + 1, "the trickling GET was cut and sent once more"
+    # Resumed at its first missing frame: at most the frame in progress was read twice, not the
+    # ~64 KiB that trickled in before the cut.
+    assert received <= trickled_received < received + 4096
+
+
+def test_a_body_that_stays_too_slow_fails_typed(s3: Any, bucket: str) -> None:
+    saved = {"w": torch.randn(256 * 1024)}  # 1 MiB
+    dcp.save(saved, storage_writer=S3Writer(bucket, "ck", config=s3.config(), frame_size=4096))
+    with FaultProxy(s3.endpoint_url) as proxy:
+        proxy.add_rule(Trickle(16 * 1024), op="GetObject", key="/data-")
+        config = s3.config(endpoint_url=proxy.endpoint_url, read_timeout=0.5, min_read_rate=4 * MiB)
+        reader = S3Reader(bucket, "ck", config=config)
+        error = raised(lambda: dcp.load({"w": torch.zeros(256 * 1024)}, storage_reader=reader))
+    assert isinstance(error, StorageError) and error.code == "TooSlow", error
+    assert "slower than min_read_rate" in str(error) and "/data-" in str(error)
+
+
+# --- the retry loop itself (`Calls._retrying`), with fake attempts: no server -------------
+
+
+def requests_for(**settings: Any) -> Calls:
+    config = S3Config(endpoint_url="http://127.0.0.1:9", access_key_id="a", secret_access_key="b")
+    return Calls(dataclasses.replace(config, **settings).resolve({}))
+
+
+def failing(code: str, status: int | None) -> StorageError:
+    return StorageError(f"failed: {code}", code=code, status=status, bucket="b", key="k")
+
+
+def test_a_read_that_made_progress_gets_a_fresh_window() -> None:
+    """Each attempt outlasts the window but moves the read on: it is resumed, not given up."""
+    requests, position = requests_for(retry_timeout=0.2), 0
+
+    async def attempt() -> str:
+        nonlocal position
+        await asyncio.sleep(0.3)
+        position += 1
+        if position < 3:
+            raise failing("Truncated", None)
+        return "done"
+
+    run = requests._retrying("get_object", "b", "k", attempt, progress=lambda: position)
+    assert asyncio.run(run) == "done" and position == 3
+
+
+def test_once_a_window_ran_out_the_next_requests_fail_fast_until_one_succeeds() -> None:
+    requests, outcomes = requests_for(retry_timeout=0.5), ["down"] * 1000
+
+    async def attempt() -> str:
+        if outcomes.pop(0) == "down":
+            raise failing("SlowDown", 503)
+        return "ok"
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        with pytest.raises(StorageError):
+            await requests._retrying("put_object", "b", "k", attempt)
+        assert loop.time() - began >= 0.4 and requests.stats.requests > 2
+        before = requests.stats.requests
+        with pytest.raises(StorageError):  # the cleanup of what failed: one attempt
+            await requests._retrying("delete_objects", "b", "k", attempt)
+        assert requests.stats.requests == before + 1
+        outcomes[:] = ["ok", "down", "ok"]
+        assert await requests._retrying("head_object", "b", "k", attempt) == "ok"
+        assert await requests._retrying("head_object", "b", "k", attempt) == "ok", "retried again"
+        # Giving up on a cap the caller chose (one attempt here) says nothing about the store.
+        once = dataclasses.replace(requests.retry, max_attempts=1)
+        outcomes[:] = ["down", "down", "ok"]
+        with pytest.raises(StorageError):
+            await requests._retrying("put_object", "b", "k", attempt, once)
+        assert await requests._retrying("get_object", "b", "k", attempt) == "ok"
+
+    asyncio.run(scenario())
+
+
+def test_only_the_first_retry_of_a_request_warns(caplog: pytest.LogCaptureFixture) -> None:
+    """A window holds tens of attempts; one WARNING per request says what is going on."""
+    requests = requests_for(retry_timeout=0.5)
+
+    async def attempt() -> None:
+        raise failing("SlowDown", 503)
+
+    with caplog.at_level(logging.INFO, logger="s3ckpt.engine"), pytest.raises(StorageError):
+        asyncio.run(requests._retrying("put_object", "b", "k", attempt))
+    retries = [r for r in caplog.records if "retrying in" in r.getMessage()]
+    assert [r.levelno for r in retries[:2]] == [logging.WARNING, logging.INFO]
+    assert sum(r.levelno == logging.WARNING for r in retries) == 1
+    assert "for up to 0.5 s" in retries[0].getMessage()
+
+
+def test_the_cli_takes_a_retry_timeout(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Against a dead endpoint the CLI retries for --retry-timeout, then exits 1 saying why."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "a")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "b")
+    endpoint = dead_endpoint()
+    began = time.monotonic()
+    code = main(["--endpoint-url", endpoint, "--retry-timeout", "1", "ls", "s3://b/run"])
+    elapsed = time.monotonic() - began
+    assert code == 1 and endpoint in capsys.readouterr().err
+    assert 0.8 <= elapsed < 1 + 5 + 5, elapsed

@@ -1,0 +1,134 @@
+"""The layers of docs/architecture.md, checked from the source: what each package may import,
+that nothing outside the engine reaches into it, and the public names of ``s3ckpt``."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import s3ckpt
+
+PACKAGE = Path(s3ckpt.__file__).parent
+FOUNDATION = {"s3ckpt.config", "s3ckpt.errors", "s3ckpt.checksums"}
+# What each layer may import from s3ckpt, besides itself and the foundation.
+ALLOWED = {
+    "foundation": set(),
+    "engine": set(),
+    "format": set(),
+    "dcp": {"engine", "format"},
+    "tools": {"engine", "format", "dcp", "top"},  # top: the public names (the demo uses them)
+    "cli": {"engine", "format", "dcp", "tools", "top"},
+    "top": {"dcp", "cli"},  # s3ckpt/__init__.py (the public names) and __main__.py
+}
+ENGINE_PRIVATE = {"_call", "_retrying", "_client", "_semaphore", "_abort_quietly"}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer(module: str) -> str:
+    if module in FOUNDATION:
+        return "foundation"
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in ALLOWED else "top"
+
+
+def imports(path: Path) -> list[tuple[str, ast.AST]]:
+    """Absolute names of the s3ckpt modules (or module attributes) ``path`` imports."""
+    module, tree = module_name(path), ast.parse(path.read_text())
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            if base == "s3ckpt" or base.startswith("s3ckpt."):
+                found += [(f"{base}.{alias.name}", node) for alias in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(a.name, node) for a in node.names if a.name.startswith("s3ckpt")]
+    return found
+
+
+SOURCES = sorted(PACKAGE.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: module_name(p))
+def test_a_module_imports_only_from_the_layers_below_it(path: Path) -> None:
+    own = layer(module_name(path))
+    for name, node in imports(path):
+        # `from s3ckpt.errors import X` names s3ckpt.errors.X: its module decides.
+        module = name.rpartition(".")[0] if name.rpartition(".")[0] in FOUNDATION else name
+        target = layer(module)
+        if target in ("foundation", own):
+            continue
+        assert target in ALLOWED[own], (
+            f"{module_name(path)} (layer {own}) imports {name} (layer {target}) at line "
+            f"{getattr(node, 'lineno', '?')}"
+        )
+
+
+@pytest.mark.parametrize(
+    "path", [p for p in SOURCES if layer(module_name(p)) != "engine"], ids=module_name
+)
+def test_nothing_outside_the_engine_reaches_into_it(path: Path) -> None:
+    tree = ast.parse(path.read_text())
+    private = [
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and node.attr in ENGINE_PRIVATE
+    ]
+    private += [
+        name.rpartition(".")[2]
+        for name, _ in imports(path)
+        if ".engine." in name and name.rpartition(".")[2].startswith("_")
+    ]
+    assert not private, f"{module_name(path)} uses the engine's private {sorted(set(private))}"
+
+
+def test_the_layers_are_as_documented() -> None:
+    assert {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()} == {
+        "cli",
+        "dcp",
+        "engine",
+        "format",
+        "tools",
+    }
+    for package in ("engine", "format", "dcp", "tools"):
+        docstring = ast.get_docstring(ast.parse((PACKAGE / package / "__init__.py").read_text()))
+        assert docstring and "import" in docstring, f"s3ckpt.{package} says what it may import"
+
+
+def test_the_public_names_of_s3ckpt() -> None:
+    assert s3ckpt.__all__ == [
+        "AccessDenied",
+        "BucketNotFound",
+        "CheckpointError",
+        "CheckpointExists",
+        "CheckpointNotFound",
+        "CheckpointReplaced",
+        "ChecksumMismatch",
+        "CommitOutcomeUnknown",
+        "ConfigError",
+        "EndpointUnreachable",
+        "IncompleteCheckpoint",
+        "MetadataError",
+        "ObjectNotFound",
+        "PreconditionFailed",
+        "S3CkptError",
+        "S3Config",
+        "S3Reader",
+        "S3Writer",
+        "StorageError",
+        "UnsafeCheckpoint",
+    ]
+    for name in s3ckpt.__all__:
+        assert getattr(s3ckpt, name).__module__.startswith("s3ckpt."), name
+    from s3ckpt import S3Config, S3Reader, S3Writer  # the README's import
+
+    assert S3Writer.__module__ == "s3ckpt.dcp.writer" and S3Reader and S3Config
