@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._extension import ZStandard
 
-from s3ckpt import S3Reader, S3Writer
+from s3ckpt import S3Reader, S3Writer, WriteOptions
 from s3ckpt.checksums import StreamCheck, checksum
 from s3ckpt.config import MiB
 from s3ckpt.format import frames
@@ -553,8 +553,7 @@ class E2E:
             prefix,
             config=config,
             overwrite=True,
-            frame_size=self.frame_size,
-            compression=compression,
+            options=WriteOptions(frame_size=self.frame_size, compression=compression),
         )
 
     def _reader(self, prefix: str) -> S3Reader:

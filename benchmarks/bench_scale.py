@@ -60,7 +60,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 import s3ckpt.dcp.writer as writer_module
-from s3ckpt import S3Config, S3Reader, S3Writer
+from s3ckpt import S3Config, S3Reader, S3Writer, WriteOptions
 from s3ckpt.config import MiB
 from s3ckpt.engine import bridge
 from s3ckpt.engine.store import get_store
@@ -329,8 +329,9 @@ def _rank_run(rank: int, point: Point) -> dict[str, Any]:
     writer = TimedWriter(
         point.url,
         config=point.config,
-        objects_per_rank=point.objects_per_rank,
-        spread_keys=point.spread_keys,
+        options=WriteOptions(
+            objects_per_rank=point.objects_per_rank, spread_keys=point.spread_keys
+        ),
         marks=marks,
     )
     dist.barrier()
@@ -718,7 +719,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sizes-mib", nargs="+", type=int, default=[64, 256])
     p.add_argument("--big", action="store_true", help="add the 1 GiB point to the size axis")
     p.add_argument("--objects-per-rank", type=int, default=4)
-    p.add_argument("--spread-keys", action="store_true", help="S3Writer(spread_keys=True)")
+    p.add_argument("--spread-keys", action="store_true", help="WriteOptions(spread_keys=True)")
     p.add_argument("--part-size-mib", type=int, default=defaults.part_size // MiB)
     p.add_argument("--concurrency", type=int, default=defaults.max_concurrency)
     p.add_argument("--timeout-s", type=float, help="per point; default scales with the point")

@@ -1,4 +1,5 @@
-"""Connection settings shared by the writer, the reader and the tools.
+"""Settings: how to reach the object store (`S3Config`, shared by the writer, the reader and the
+tools) and how a save lays out its bytes (`WriteOptions`).
 
 `S3Config` holds what the caller chose; anything left as ``None`` comes from the standard AWS
 sources when a connection is made (`S3Config.resolve`), so a config pickled into a PROCESS-mode
@@ -22,6 +23,7 @@ several S3-compatible stores): botocore only computes what an operation strictly
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -31,7 +33,7 @@ import botocore.session
 
 from .errors import ConfigError
 
-__all__ = ["MiB", "ResolvedConfig", "S3Config", "parse_s3_url"]
+__all__ = ["MiB", "ResolvedConfig", "S3Config", "WriteOptions", "parse_s3_url"]
 
 MiB = 1024 * 1024
 _MIN_PART = 5 * MiB  # S3's minimum for every part but the last
@@ -156,6 +158,38 @@ class S3Config:
             addressing_style=style,
             verify=verify,
         )
+
+
+@dataclass(frozen=True)
+class WriteOptions:
+    """How `S3Writer` lays a checkpoint's bytes out in the store; any reader loads any choice.
+
+    ``objects_per_rank``: most data objects one rank writes (more objects upload in parallel).
+    ``frame_size``: bytes per checksummed frame; a partial load reads whole frames.
+    ``spread_keys``: put a short hash early in data keys, spreading a save's requests over many
+    key ranges (for stores that limit request rates per prefix, like AWS S3).
+    ``compression``: ``"zstd"`` compresses each frame on its own (worker threads, overlapping
+    the upload), so ranged loads still decode only the frames they need; ``compression_level``
+    is zstd's level; ``shuffle`` groups bytes of equal significance of floating-point elements
+    first, which compresses weights and optimizer states better.
+    """
+
+    objects_per_rank: int = 4
+    frame_size: int = 4 * MiB
+    spread_keys: bool = False
+    compression: Literal["zstd"] | None = None
+    compression_level: int = 1
+    shuffle: bool = True
+
+    def __post_init__(self) -> None:
+        if self.objects_per_rank < 1:
+            raise ConfigError(f"objects_per_rank must be >= 1, got {self.objects_per_rank}")
+        if self.frame_size < 4096:
+            raise ConfigError(f"frame_size must be at least 4096 bytes, got {self.frame_size}")
+        if self.compression not in (None, "zstd"):
+            raise ConfigError(f"compression must be None or 'zstd', got {self.compression!r}")
+        if self.compression is not None and importlib.util.find_spec("zstandard") is None:
+            raise ConfigError("compression='zstd' needs zstandard: pip install 's3ckpt[zstd]'")
 
 
 @dataclass(frozen=True)

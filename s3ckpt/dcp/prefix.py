@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from datetime import datetime
 
 from ..engine.contract import ObjectStore, StoredObject, Upload
 from ..engine.retry import RetryPolicy
@@ -15,7 +16,7 @@ from ..format import layout
 from ..format.layout import Location
 from ..format.record import Checkpoint, check_record_size, decode
 
-__all__ = ["AtPrefix", "State", "data_objects", "read_prefix", "read_record"]
+__all__ = ["AtPrefix", "State", "read_prefix", "read_record", "saves"]
 
 
 class State(enum.Enum):
@@ -92,7 +93,7 @@ async def read_prefix(store: ObjectStore, location: Location) -> AtPrefix:
         except MetadataError as e:
             return AtPrefix(location, State.UNREADABLE, error=e)
         return AtPrefix(location, State.COMMITTED, checkpoint, etag, len(raw))
-    data = tuple(await data_objects(store, location))
+    data = tuple(obj for obj, _ in (await saves(store, location))[0])
     if data:
         return AtPrefix(location, State.INCOMPLETE, data=data)
     uploads = tuple(await store.list_uploads(location.bucket, location.key("data-")))
@@ -101,8 +102,12 @@ async def read_prefix(store: ObjectStore, location: Location) -> AtPrefix:
     return AtPrefix(location, State.NOTHING)
 
 
-async def data_objects(store: ObjectStore, location: Location) -> list[StoredObject]:
-    """The objects of saves at ``location`` (data objects and leases, committed or not)."""
+async def saves(
+    store: ObjectStore, location: Location
+) -> tuple[list[tuple[StoredObject, str]], datetime]:
+    """The objects of saves at ``location`` (data objects and leases, committed or not) with
+    their save ids, and the server's time."""
     listing = await store.list_objects(location.bucket, location.key("data-"))
     start = len(location.listing_prefix)
-    return [o for o in listing.objects if layout.save_of(o.key[start:]) is not None]
+    found = ((obj, layout.save_of(obj.key[start:])) for obj in listing.objects)
+    return [(obj, save) for obj, save in found if save is not None], listing.server_time

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib.util
 import io
 import itertools
 import math
@@ -50,10 +49,10 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..config import MiB, S3Config
+from ..config import S3Config, WriteOptions
 from ..engine import bridge
 from ..engine.bridge import gather_or_cancel
-from ..errors import CheckpointExists, ConfigError, S3CkptError
+from ..errors import CheckpointExists, S3CkptError
 from ..format import layout
 from ..format.frames import FrameTable
 from ..format.packing import Packed, assign_objects, element_size
@@ -83,15 +82,8 @@ class S3Writer(AtLocation, StorageWriter):
         prefix: key prefix of the checkpoint (a "directory"); ``checkpoint_id`` overrides it.
         config: connection settings; default `S3Config()` reads the standard AWS sources.
         overwrite: replace a committed checkpoint at the prefix instead of failing.
-        objects_per_rank: most data objects one rank writes; more objects upload in parallel.
-        frame_size: bytes per checksummed frame; a partial load reads whole frames.
-        spread_keys: put a short hash early in data keys, spreading a save's requests over
-            many key ranges (for stores that limit request rates per prefix, like AWS S3).
-        compression: ``"zstd"`` compresses each frame on its own (worker threads, overlapping
-            the upload), so ranged loads still decode only the frames they need; any reader
-            loads it. ``compression_level`` is zstd's level; ``shuffle`` groups bytes of equal
-            significance of floating-point elements first, which compresses weights and
-            optimizer states better.
+        options: how the bytes are laid out: objects per rank, frame size, compression,
+            key spreading (`WriteOptions`; the defaults suit most stores).
         async_staging: stage in a background thread; ``dcp.async_save`` then returns an
             ``AsyncSaveResponse`` whose ``staging_completion`` must finish before the state
             dict's tensors are modified (e.g. before the next ``optimizer.step()``).
@@ -105,33 +97,15 @@ class S3Writer(AtLocation, StorageWriter):
         prefix: str = "",
         *,
         config: S3Config | None = None,
+        options: WriteOptions | None = None,
         overwrite: bool = False,
-        objects_per_rank: int = 4,
         async_staging: bool = False,
-        frame_size: int = 4 * MiB,
-        spread_keys: bool = False,
-        compression: str | None = None,
-        compression_level: int = 1,
-        shuffle: bool = True,
     ) -> None:
         StorageWriter.__init__(self)
         AtLocation.__init__(self, bucket, prefix, config)
-        if objects_per_rank < 1:
-            raise ValueError(f"objects_per_rank must be >= 1, got {objects_per_rank}")
-        if frame_size < 4096:
-            raise ValueError(f"frame_size must be at least 4096 bytes, got {frame_size}")
+        self.options = options or WriteOptions()
         self.overwrite = overwrite
-        self.objects_per_rank = objects_per_rank
         self.async_staging = async_staging
-        self.frame_size = frame_size
-        self.spread_keys = spread_keys
-        if compression not in (None, "zstd"):
-            raise ConfigError(f"compression must be None or 'zstd', got {compression!r}")
-        if compression is not None and importlib.util.find_spec("zstandard") is None:
-            raise ConfigError("compression='zstd' needs zstandard: pip install 's3ckpt[zstd]'")
-        self.compression = compression
-        self.compression_level = compression_level
-        self.shuffle = shuffle
         self.is_coordinator = False
         self._save_id: str | None = None
         self._staging = StagingBuffers()
@@ -199,8 +173,10 @@ class S3Writer(AtLocation, StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         self._save_id = layout.new_save_id()
+        options = self.options
         # The world size is known only now, when the save starts.
-        spread = layout.spread_digits(len(plans) * self.objects_per_rank) if self.spread_keys else 0
+        objects = len(plans) * options.objects_per_rank
+        spread = layout.spread_digits(objects) if options.spread_keys else 0
         return [
             dataclasses.replace(plan, storage_data=_RankPlan(self._save_id, rank, spread))
             for rank, plan in enumerate(plans)
@@ -209,7 +185,7 @@ class S3Writer(AtLocation, StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         rank_plan: _RankPlan = plan.storage_data
         sizes = [_planned_size(item) for item in plan.items]
-        owner = assign_objects(sizes, self.objects_per_rank, self.config.part_size)
+        owner = assign_objects(sizes, self.options.objects_per_rank, self.config.part_size)
         objects: dict[int, list[tuple[WriteItem, torch.Tensor | bytes]]] = {}
         for item, obj in zip(plan.items, owner, strict=True):
             data = planner.resolve_data(item)
@@ -310,17 +286,19 @@ class S3Writer(AtLocation, StorageWriter):
         store, bucket, loop = self._store, self.location.bucket, asyncio.get_running_loop()
         tables: dict[str, FrameTable] = {}
 
+        frame_size = self.options.frame_size
+
         async def one(relative: str, packed: Packed) -> None:
             key = self.location.key(relative)
-            if self.compression is None:
-                checksums = loop.run_in_executor(None, packed.frame_table, self.frame_size)
+            if self.options.compression is None:
+                checksums = loop.run_in_executor(None, packed.frame_table, frame_size)
                 await store.upload(bucket, key, packed)
                 tables[relative] = await checksums
                 return
             entries: list[tuple[int, int, int]] = []
             await store.upload_stream(bucket, key, self._encoded(packed, entries))
             sizes, crcs, codecs = (tuple(entry[i] for entry in entries) for i in range(3))
-            tables[relative] = FrameTable(self.frame_size, sizes, crcs, codecs, packed.size)
+            tables[relative] = FrameTable(frame_size, sizes, crcs, codecs, packed.size)
 
         try:
             await gather_or_cancel(one(relative, p) for relative, p in uploads.items())
@@ -343,7 +321,8 @@ class S3Writer(AtLocation, StorageWriter):
         loop = asyncio.get_running_loop()
         window: deque[asyncio.Future[tuple[bytes | memoryview, int, int]]] = deque()
         depth = max(2, os.cpu_count() or 2)
-        frames = range(-(-packed.size // self.frame_size))
+        options = self.options
+        frames = range(-(-packed.size // options.frame_size))
         for number in itertools.chain(frames, [None] * depth):
             if number is not None:
                 window.append(
@@ -351,9 +330,9 @@ class S3Writer(AtLocation, StorageWriter):
                         None,
                         packed.encode_frame,
                         number,
-                        self.frame_size,
-                        self.compression_level,
-                        self.shuffle,
+                        options.frame_size,
+                        options.compression_level,
+                        options.shuffle,
                     )
                 )
             if window and (len(window) >= depth or number is None):

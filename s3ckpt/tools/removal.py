@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from ..config import S3Config
+from ..dcp.prefix import saves
 from ..engine import bridge
 from ..engine.contract import ObjectStore, StoredObject, Upload
 from ..errors import (
@@ -157,7 +158,7 @@ def _report(
 
 async def _plan_delete(store: ObjectStore, location: Location) -> _Target:
     head = await store.head(location.bucket, location.metadata_key)
-    data, now = await scan.saves(store, location)
+    data, now = await saves(store, location)
     pending = (await scan.uploads(store, location)).get(location.prefix, [])
     size = None if head is None else head.size
     objects, uploads = _not_running(location, data, pending, now)
@@ -179,7 +180,7 @@ async def _plan_prune(
     if not victims:
         return []
     uploads = await scan.uploads(store, location)
-    data = await scan.run_all(lambda f: scan.saves(store, f.location), victims, store)
+    data = await scan.run_all(lambda f: saves(store, f.location), victims, store)
     plan = []
     for f, (found, now) in zip(victims, data, strict=True):
         pending = uploads.get(f.location.prefix, [])
@@ -228,25 +229,25 @@ async def _gc_one(
         found = await scan.committed(store, location)
     except MetadataError as e:
         log.warning("%s: nothing collected, its record cannot be read: %s", location.url, e)
-        data, _ = await scan.saves(store, location)
+        data, _ = await saves(store, location)
         young = [obj.key for obj, _ in data]
         return _Target(location, None, young=young, young_uploads=[u for u, _ in uploads])
     keep_id, referenced = None, set()
     if found is not None and found.checkpoint is not None:
         keep_id = found.checkpoint.save_id
         referenced = {location.key(key) for key in found.checkpoint.objects}
-    data, now = await scan.saves(store, location)
+    data, now = await saves(store, location)
     live = set() if break_leases else scan.live_saves(data, now)
-    saves: dict[str, tuple[list[StoredObject], list[Upload]]] = {}
+    by_save: dict[str, tuple[list[StoredObject], list[Upload]]] = {}
     for obj, save_id in data:
         # The committed save's objects stay, but not its lease once that has expired.
         ours = save_id == keep_id and not layout.is_lease(obj.key)
         if not ours and obj.key not in referenced:
-            saves.setdefault(save_id, ([], []))[0].append(obj)
+            by_save.setdefault(save_id, ([], []))[0].append(obj)
     for upload, save_id in uploads:
-        saves.setdefault(save_id, ([], []))[1].append(upload)
+        by_save.setdefault(save_id, ([], []))[1].append(upload)
     target = _Target(location, None if found is None else found.etag)
-    for save_id, (objects, save_uploads) in saves.items():
+    for save_id, (objects, save_uploads) in by_save.items():
         cutoff = now - older_than
         if save_id not in live and await _idle(
             store, location.bucket, objects, save_uploads, cutoff

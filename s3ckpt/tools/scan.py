@@ -18,7 +18,7 @@ from datetime import datetime, timedelta, timezone
 from typing import TypeVar
 
 from ..config import S3Config, parse_s3_url
-from ..dcp.prefix import AtPrefix, State, data_objects, read_prefix
+from ..dcp.prefix import AtPrefix, State, read_prefix, saves
 from ..engine.bridge import gather_or_cancel
 from ..engine.contract import ObjectStore, StoredObject, Upload
 from ..engine.store import get_store
@@ -40,7 +40,6 @@ __all__ = [
     "newness",
     "readable",
     "run_all",
-    "saves",
     "step_of",
     "store_for",
     "survey",
@@ -135,17 +134,6 @@ def live_saves(data: Iterable[tuple[StoredObject, str]], now: datetime) -> set[s
     return {save_id for obj, save_id in data if layout.is_lease(obj.key) and obj.modified > fresh}
 
 
-async def saves(
-    store: ObjectStore, location: Location
-) -> tuple[list[tuple[StoredObject, str]], datetime]:
-    """The checkpoint's ``data-<id>/`` objects (leases included) with their save ids, and the
-    server's time."""
-    listing = await store.list_objects(location.bucket, location.key("data-"))
-    start = len(location.listing_prefix)
-    found = ((obj, layout.save_of(obj.key[start:])) for obj in listing.objects)
-    return [(obj, save) for obj, save in found if save is not None], listing.server_time
-
-
 async def uploads(store: ObjectStore, location: Location) -> dict[str, list[tuple[Upload, str]]]:
     """Multipart uploads of data objects at ``location`` or a child, with their save ids, by
     checkpoint prefix."""
@@ -234,7 +222,7 @@ async def _inspect(
     unreadable = None if at.error is None else str(at.error)
     if unreadable is not None:
         log.warning("%s: %s", location.url, unreadable)
-    data = list(at.data) if at.state is State.INCOMPLETE else await data_objects(store, location)
+    data = list(at.data) if at.data else [obj for obj, _ in (await saves(store, location))[0]]
     if not data and not pending and unreadable is None:
         return None
     start = len(location.listing_prefix)

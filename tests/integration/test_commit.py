@@ -9,7 +9,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItem
 
-from s3ckpt import CheckpointExists, S3Reader, S3Writer
+from s3ckpt import CheckpointExists, S3Reader, S3Writer, WriteOptions
 from s3ckpt.config import MiB
 from tests.helpers import listing, raised, uploads_in_progress
 
@@ -63,7 +63,11 @@ def test_a_save_failing_midway_leaves_the_previous_checkpoint_intact(s3: Any, bu
         "small": torch.randn(100),
         "x": torch.empty(MiB, device="meta"),
     }
-    error = raised(lambda: save(s3, bucket, "ck", failing, overwrite=True, objects_per_rank=2))
+    error = raised(
+        lambda: save(
+            s3, bucket, "ck", failing, overwrite=True, options=WriteOptions(objects_per_rank=2)
+        )
+    )
     assert "meta" in str(error)
     assert uploads_in_progress(s3.client, bucket) == []
     assert listing(s3.client, bucket) == before

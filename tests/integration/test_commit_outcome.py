@@ -22,6 +22,7 @@ from s3ckpt import (
     MetadataError,
     S3Reader,
     S3Writer,
+    WriteOptions,
 )
 from s3ckpt.config import MiB
 from tests.faultproxy import Delay, FaultProxy, ResetAfter, Status
@@ -137,10 +138,17 @@ def test_a_commit_never_references_an_object_that_is_not_there(s3: Any, bucket: 
     with FaultProxy(s3.endpoint_url) as proxy:
         heads = proxy.add_rule(Delay(0.0), op="HeadObject", key="/data-")
         config = s3.config(endpoint_url=proxy.endpoint_url, **SMALL_PARTS)
-        dcp.save(saved, storage_writer=S3Writer(bucket, "ok", config=config, objects_per_rank=2))
+        dcp.save(
+            saved,
+            storage_writer=S3Writer(
+                bucket, "ok", config=config, options=WriteOptions(objects_per_rank=2)
+            ),
+        )
         objects = [k for k in listing(s3.client, bucket, "ok/") if "/data-" in k]
         assert len(objects) == 2 and heads.fired == 2  # one HEAD per referenced object
-        writer = _Vanishing(bucket, "ck", config=config, objects_per_rank=2, client=s3.client)
+        writer = _Vanishing(
+            bucket, "ck", config=config, client=s3.client, options=WriteOptions(objects_per_rank=2)
+        )
         error = raised(lambda: dcp.save(saved, storage_writer=writer))
     assert isinstance(error, IncompleteCheckpoint), error
     assert "not committed" in str(error) and "is missing" in str(error)

@@ -1,18 +1,15 @@
 """Hostile and inconsistent commit records: a record that decodes never loads wrong data, and no
 claim in a record makes a load allocate more than the store really holds.
 
-Each server test saves a real checkpoint, then tampers with its ``.metadata`` (or a data object)
-through the backdoor client, as a writer of the bucket could. The tests without a server check
-the whole-record rules of `decode` (and that `encode` refuses the same records).
+Each test saves a real checkpoint, then tampers with its ``.metadata`` (or a data object)
+through the backdoor client, as a writer of the bucket could. The whole-record rules of `decode`
+without a server: tests/unit/format/test_record_validation.py.
 """
 
 from __future__ import annotations
 
 import base64
-import dataclasses
-import itertools
 import json
-import re
 import resource
 import struct
 from collections.abc import Callable
@@ -21,30 +18,18 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
 
-from s3ckpt import S3Config, S3Reader, S3Writer
+from s3ckpt import S3Reader, S3Writer, WriteOptions
 from s3ckpt.engine.store import get_store
-from s3ckpt.errors import ConfigError, MetadataError, StorageError
-from s3ckpt.format.frames import RAW, ZSTD, FrameTable
-from s3ckpt.format.record import Locator, decode, encode, tiling
+from s3ckpt.errors import MetadataError, StorageError
+from s3ckpt.format.frames import RAW, ZSTD
 from s3ckpt.tools import catalog
 from s3ckpt.tools.verify import verify
 from tests.helpers import raised
 
-URL = "s3://bucket/ck/.metadata"
 GiB = 1 << 30
 # Far below the claims (3 GiB and up), far above what reading a tiny checkpoint costs.
 _MAX_GROWTH_MB = 200
-
-
-# ------------------------------------------------------------------------------- with a server
 
 
 def save(s3: Any, bucket: str) -> dict[str, Any]:
@@ -55,7 +40,7 @@ def save(s3: Any, bucket: str) -> dict[str, Any]:
         "d": torch.randn(10, dtype=torch.float64, generator=generator),
         "step": 7,
     }
-    writer = S3Writer(bucket, "ck", config=s3.config(), objects_per_rank=1)
+    writer = S3Writer(bucket, "ck", config=s3.config(), options=WriteOptions(objects_per_rank=1))
     dcp.save(state, storage_writer=writer)
     return state
 
@@ -269,130 +254,3 @@ def test_a_record_over_the_cap_is_refused_before_it_is_downloaded(s3: Any, bucke
         assert f"S3Config(max_record_size={size})" in str(error)
     assert get_store(config).stats.bytes_received - received < size
     assert load(s3, bucket, max_record_size=size)["step"] == 7
-
-
-# -------------------------------------------------------------------------- without a server
-
-
-def _tensor(
-    size: list[int], chunks: list[tuple[list[int], list[int]]], dtype: torch.dtype = torch.float32
-) -> tuple[Metadata, dict[MetadataIndex, Locator], dict[str, int]]:
-    """One tensor of ``chunks`` (offsets, sizes), packed back to back in object ``o``."""
-    entries, locators, end = [], {}, 0
-    for offsets, sizes in chunks:
-        length = dtype.itemsize * int(torch.Size(sizes).numel())
-        entries.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
-        locators[MetadataIndex("t", offsets)] = Locator("o", end, length)
-        end += length
-    props = TensorProperties(dtype=dtype)
-    tensor = TensorStorageMetadata(props, torch.Size(size), entries)
-    return Metadata({"t": tensor}), locators, {"o": end}
-
-
-def _record(layout: tuple[Metadata, dict[MetadataIndex, Locator], dict[str, int]]) -> bytes:
-    meta, locators, objects = layout
-    frames = {key: FrameTable.raw(4096, [0] * -(-n // 4096), n) for key, n in objects.items()}
-    return encode(meta, locators, save_id="s", created=1.0, objects=objects, frames=frames)
-
-
-def _unchecked(size: list[int], chunks: list[tuple[list[int], list[int]]]) -> bytes:
-    """The record of chunks that `encode` refuses, as a hostile writer would write it."""
-    _, locators, objects = _tensor(size, chunks)
-    edited = json.loads(_record(_tensor(size, [([0] * len(size), size)])))
-    edited["state_dict"]["t"]["chunks"] = [
-        {"offsets": offsets, "sizes": sizes, "locator": dataclasses.asdict(locator)}
-        for (offsets, sizes), locator in zip(chunks, locators.values(), strict=True)
-    ]
-    edited["objects"] = objects
-    edited["frames"] = {"o": FrameTable.raw(4096, [0], objects["o"]).to_json()}
-    return json.dumps(edited).encode()
-
-
-def _rows(cuts: list[int], columns: int = 3) -> list[tuple[list[int], list[int]]]:
-    return [([a, 0], [b - a, columns]) for a, b in itertools.pairwise(cuts)]
-
-
-@pytest.mark.parametrize(
-    ("size", "chunks"),
-    [
-        ([], [([], [])]),  # a scalar
-        ([0, 7], [([0, 0], [0, 7])]),  # no elements
-        ([5], [([0], [2]), ([2], [2]), ([4], [1]), ([5], [0])]),  # uneven shards, one empty
-        ([4, 6], [([r, c], [2, 3]) for r in (0, 2) for c in (0, 3)]),  # a 2x2 mesh
-        ([2, 4], [([0, 0], [1, 2]), ([0, 2], [1, 2]), ([1, 0], [1, 1]), ([1, 1], [1, 3])]),
-        ([100_000, 3], _rows(list(range(100_001)))),  # 100k row shards
-    ],
-    ids=["scalar", "empty", "uneven", "mesh", "bricks", "100k-chunks"],
-)
-def test_every_exact_tiling_round_trips(
-    size: list[int], chunks: list[tuple[list[int], list[int]]]
-) -> None:
-    layout = _tensor(size, chunks)
-    assert decode(_record(layout), url=URL).locators == layout[1]
-
-
-def test_packed_dtypes_count_packed_elements() -> None:
-    dtype = getattr(torch, "float4_e2m1fn_x2", None)
-    if dtype is None:
-        pytest.skip("this torch has no float4_e2m1fn_x2")
-    layout = _tensor([4, 2], [([0, 0], [4, 2])], dtype)
-    assert layout[1][MetadataIndex("t", [0, 0])].length == 8  # two values a byte
-    assert decode(_record(layout), url=URL).locators == layout[1]
-
-
-@pytest.mark.parametrize(
-    ("chunks", "cause"),
-    [
-        (_rows([0, 2, 3]), "its chunks hold 9 elements, the tensor 12: they leave a gap"),
-        ([*_rows([0, 2, 4]), ([1, 0], [1, 3])], "its chunks hold 15 elements, the tensor 12"),
-        # 12 elements, but row 1 twice and row 3 never.
-        ([([0, 0], [2, 3]), ([1, 0], [2, 3])], "chunks 0 and 1 overlap"),
-    ],
-    ids=["gap", "overlap", "equal-volume-overlap"],
-)
-def test_encode_and_decode_refuse_chunks_that_do_not_tile(
-    chunks: list[tuple[list[int], list[int]]], cause: str
-) -> None:
-    with pytest.raises(MetadataError, match=re.escape(f"state_dict['t']: {cause}")):
-        _record(_tensor([4, 3], chunks))
-    with pytest.raises(MetadataError, match=re.escape(f"{URL}: state_dict['t']: {cause}")):
-        decode(_unchecked([4, 3], chunks), url=URL)
-
-
-def test_a_layout_too_irregular_to_check_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Bricks: exact, but no grid; the sweep's comparisons are bounded, whatever the record."""
-    layout = _tensor(
-        [2, 4], [([0, 0], [1, 2]), ([0, 2], [1, 2]), ([1, 0], [1, 1]), ([1, 1], [1, 3])]
-    )
-    data = _record(layout)
-    monkeypatch.setattr(tiling, "_MAX_COMPARISONS", 2)
-    with pytest.raises(MetadataError, match="4 chunks in a layout too irregular to check"):
-        decode(data, url=URL)
-
-
-@pytest.mark.parametrize(
-    ("frame_size", "raw_size", "cause"),
-    [
-        (4096, 100, "do not fit its codec"),
-        (4 << 20, 4 << 20, "do not fit its codec"),  # 100 stored bytes: zstd makes 3.2 MB at most
-        (2**40, 2**40, "a frame holds at most"),
-    ],
-    ids=["compressed-not-smaller", "more-than-zstd-holds", "frame-too-large"],
-)
-def test_frame_tables_must_fit_their_objects(frame_size: int, raw_size: int, cause: str) -> None:
-    table = {"frame_size": frame_size, "raw_size": raw_size, "table": _table(100, ZSTD)}
-    with pytest.raises(ValueError, match=cause):
-        FrameTable.from_json(table, 100)
-
-
-def test_frame_lookups_past_the_table_are_value_errors() -> None:
-    table = FrameTable.raw(4096, [0, 0, 0], 10_000)
-    assert table.frames(8192, 12_288) == range(2, 3)
-    for start, end in ((8192, 12_289), (20_000, 20_001), (5, 4)):
-        with pytest.raises(ValueError, match="not inside the 3 frames"):
-            table.covering(start, end)
-
-
-def test_max_record_size_must_be_positive() -> None:
-    with pytest.raises(ConfigError, match="max_record_size"):
-        S3Config(max_record_size=0)

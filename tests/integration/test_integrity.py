@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import json
-import random
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from s3ckpt import ChecksumMismatch, S3Reader, S3Writer
-from s3ckpt.checksums import StreamCheck, checksum
+from s3ckpt import ChecksumMismatch, S3Reader, S3Writer, WriteOptions
 from s3ckpt.cli import main
 from s3ckpt.engine.store import get_store
-from s3ckpt.format.frames import FrameTable
 from s3ckpt.tools.verify import verify
 from tests.faultproxy import Corrupt, FaultProxy
 from tests.helpers import raised
@@ -24,7 +21,9 @@ FRAME = 16 * 1024
 
 def saved_checkpoint(s3: Any, bucket: str) -> dict[str, torch.Tensor]:
     state = {"hit": torch.randn(40_000), "spared": torch.randn(40_000)}
-    writer = S3Writer(bucket, "ck", config=s3.config(), frame_size=FRAME, objects_per_rank=1)
+    writer = S3Writer(
+        bucket, "ck", config=s3.config(), options=WriteOptions(frame_size=FRAME, objects_per_rank=1)
+    )
     dcp.save(state, storage_writer=writer)
     return state
 
@@ -95,34 +94,6 @@ def test_verify_reads_every_frame_of_a_good_checkpoint(s3: Any, bucket: str) -> 
     )
     assert report.objects == 1 and report.bytes == stored
     assert report.frames == -(-stored // FRAME)
-
-
-def test_frame_table_round_trip_and_validation() -> None:
-    rng = random.Random(1)
-    data = bytes(rng.randrange(256) for _ in range(10_000))
-    crcs = [checksum(data[i : i + 4096]) for i in range(0, len(data), 4096)]
-    table = FrameTable.raw(4096, crcs, len(data))
-    assert table.sizes == (4096, 4096, 1808) and table.size == len(data)
-    assert FrameTable.from_json(table.to_json(), len(data)) == table
-    assert table.covering(5000, 5001) == (4096, 8192)
-    assert table.covering(0, 10_000) == (0, 10_000)
-    with pytest.raises(ValueError, match="add up"):
-        FrameTable.from_json(table.to_json(), len(data) + 1)
-    with pytest.raises(ValueError, match="base64"):
-        FrameTable.from_json({"frame_size": 4096, "table": "@@"}, len(data))
-
-
-def test_frame_check_finds_the_damaged_frame_and_restarts_it() -> None:
-    data = bytearray(range(256)) * 40  # 10,240 bytes: frames of 4096, 4096, 2048
-    crcs = [checksum(bytes(data[i : i + 4096])) for i in range(0, len(data), 4096)]
-    table = FrameTable.raw(4096, crcs, len(data))
-    check = table.checksums.check(4096)
-    check.feed(4096, data[4096:6000])
-    assert check.resume_point() == 4096, "a broken stream restarts at its frame's start"
-    data[9000] ^= 1
-    with pytest.raises(StreamCheck.Mismatch) as info:
-        check.feed(4096, data[4096:])
-    assert (info.value.start, info.value.end) == (8192, 10_240)
 
 
 def test_cli_verify_reports_a_good_checkpoint_and_fails_on_damage(

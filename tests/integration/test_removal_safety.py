@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from s3ckpt import CheckpointNotFound, S3Reader, S3Writer
+from s3ckpt import CheckpointNotFound, S3Reader, S3Writer, WriteOptions
 from s3ckpt.config import MiB
 from s3ckpt.format import layout
 from s3ckpt.tools.catalog import delete, gc, latest, list_checkpoints, prune
@@ -51,7 +51,9 @@ def during_a_slow_save(
     with FaultProxy(s3.endpoint_url) as proxy:
         proxy.add_rule(Delay(3.0), op="UploadPart")
         config = s3.config(endpoint_url=proxy.endpoint_url, **SMALL_PARTS)
-        writer = S3Writer(bucket, prefix, config=config, overwrite=True, objects_per_rank=2)
+        writer = S3Writer(
+            bucket, prefix, config=config, overwrite=True, options=WriteOptions(objects_per_rank=2)
+        )
 
         def run() -> None:
             try:

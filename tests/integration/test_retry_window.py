@@ -8,9 +8,7 @@ how long a failure takes are generous: they catch a hang or a second window, no 
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import logging
 import os
 import socket
 import time
@@ -22,10 +20,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from botocore.exceptions import ClientError
 
-from s3ckpt import EndpointUnreachable, S3Reader, S3Writer, StorageError
+from s3ckpt import EndpointUnreachable, S3Reader, S3Writer, StorageError, WriteOptions
 from s3ckpt.cli import main
-from s3ckpt.config import MiB, S3Config
-from s3ckpt.engine.calls import Calls
+from s3ckpt.config import MiB
 from s3ckpt.engine.store import get_store
 from tests.faultproxy import FaultProxy, Status, Trickle
 from tests.helpers import raised
@@ -70,15 +67,6 @@ def test_the_proxy_can_brown_out_for_a_while_and_trickle(s3: Any, bucket: str) -
         began = time.monotonic()
         assert client.get_object(Bucket=bucket, Key="k")["Body"].read() == data
         assert time.monotonic() - began >= 0.4, "64 KiB at 128 KiB/s take half a second"
-
-
-def test_retries_are_bounded_by_time_by_default() -> None:
-    assert S3Config().max_attempts is None and S3Config().retry_timeout == 60
-    assert S3Config(max_attempts=3).max_attempts == 3, "a cap given is kept"
-    assert S3Config().min_read_rate > 0
-    for invalid in ({"min_read_rate": 0}, {"max_attempts": 0}):
-        with pytest.raises(ValueError):
-            S3Config(**invalid)  # type: ignore[arg-type]
 
 
 def test_a_five_second_brownout_fails_neither_a_save_nor_a_load(s3: Any, bucket: str) -> None:
@@ -139,7 +127,12 @@ def test_a_store_that_goes_down_mid_save_fails_it_after_one_window(s3: Any, buck
 
 def test_a_trickling_get_is_cut_at_its_deadline_and_resumed(s3: Any, bucket: str) -> None:
     saved = {"w": torch.randn(2 * MiB)}  # 8 MiB, checked in frames of 4 KiB
-    dcp.save(saved, storage_writer=S3Writer(bucket, "ck", config=s3.config(), frame_size=4096))
+    dcp.save(
+        saved,
+        storage_writer=S3Writer(
+            bucket, "ck", config=s3.config(), options=WriteOptions(frame_size=4096)
+        ),
+    )
     with FaultProxy(s3.endpoint_url) as proxy:
         # A GET's deadline: 1 s + its size at 8 MiB/s; the trickle sends 64 KiB/s.
         config = s3.config(endpoint_url=proxy.endpoint_url, read_timeout=1.0, min_read_rate=8 * MiB)
@@ -168,7 +161,12 @@ def test_a_trickling_get_is_cut_at_its_deadline_and_resumed(s3: Any, bucket: str
 
 def test_a_body_that_stays_too_slow_fails_typed(s3: Any, bucket: str) -> None:
     saved = {"w": torch.randn(256 * 1024)}  # 1 MiB
-    dcp.save(saved, storage_writer=S3Writer(bucket, "ck", config=s3.config(), frame_size=4096))
+    dcp.save(
+        saved,
+        storage_writer=S3Writer(
+            bucket, "ck", config=s3.config(), options=WriteOptions(frame_size=4096)
+        ),
+    )
     with FaultProxy(s3.endpoint_url) as proxy:
         proxy.add_rule(Trickle(16 * 1024), op="GetObject", key="/data-")
         config = s3.config(endpoint_url=proxy.endpoint_url, read_timeout=0.5, min_read_rate=4 * MiB)
@@ -176,80 +174,6 @@ def test_a_body_that_stays_too_slow_fails_typed(s3: Any, bucket: str) -> None:
         error = raised(lambda: dcp.load({"w": torch.zeros(256 * 1024)}, storage_reader=reader))
     assert isinstance(error, StorageError) and error.code == "TooSlow", error
     assert "slower than min_read_rate" in str(error) and "/data-" in str(error)
-
-
-# --- the retry loop itself (`Calls._retrying`), with fake attempts: no server -------------
-
-
-def requests_for(**settings: Any) -> Calls:
-    config = S3Config(endpoint_url="http://127.0.0.1:9", access_key_id="a", secret_access_key="b")
-    return Calls(dataclasses.replace(config, **settings).resolve({}))
-
-
-def failing(code: str, status: int | None) -> StorageError:
-    return StorageError(f"failed: {code}", code=code, status=status, bucket="b", key="k")
-
-
-def test_a_read_that_made_progress_gets_a_fresh_window() -> None:
-    """Each attempt outlasts the window but moves the read on: it is resumed, not given up."""
-    requests, position = requests_for(retry_timeout=0.2), 0
-
-    async def attempt() -> str:
-        nonlocal position
-        await asyncio.sleep(0.3)
-        position += 1
-        if position < 3:
-            raise failing("Truncated", None)
-        return "done"
-
-    run = requests._retrying("get_object", "b", "k", attempt, progress=lambda: position)
-    assert asyncio.run(run) == "done" and position == 3
-
-
-def test_once_a_window_ran_out_the_next_requests_fail_fast_until_one_succeeds() -> None:
-    requests, outcomes = requests_for(retry_timeout=0.5), ["down"] * 1000
-
-    async def attempt() -> str:
-        if outcomes.pop(0) == "down":
-            raise failing("SlowDown", 503)
-        return "ok"
-
-    async def scenario() -> None:
-        loop = asyncio.get_running_loop()
-        began = loop.time()
-        with pytest.raises(StorageError):
-            await requests._retrying("put_object", "b", "k", attempt)
-        assert loop.time() - began >= 0.4 and requests.stats.requests > 2
-        before = requests.stats.requests
-        with pytest.raises(StorageError):  # the cleanup of what failed: one attempt
-            await requests._retrying("delete_objects", "b", "k", attempt)
-        assert requests.stats.requests == before + 1
-        outcomes[:] = ["ok", "down", "ok"]
-        assert await requests._retrying("head_object", "b", "k", attempt) == "ok"
-        assert await requests._retrying("head_object", "b", "k", attempt) == "ok", "retried again"
-        # Giving up on a cap the caller chose (one attempt here) says nothing about the store.
-        once = dataclasses.replace(requests.retry, max_attempts=1)
-        outcomes[:] = ["down", "down", "ok"]
-        with pytest.raises(StorageError):
-            await requests._retrying("put_object", "b", "k", attempt, once)
-        assert await requests._retrying("get_object", "b", "k", attempt) == "ok"
-
-    asyncio.run(scenario())
-
-
-def test_only_the_first_retry_of_a_request_warns(caplog: pytest.LogCaptureFixture) -> None:
-    """A window holds tens of attempts; one WARNING per request says what is going on."""
-    requests = requests_for(retry_timeout=0.5)
-
-    async def attempt() -> None:
-        raise failing("SlowDown", 503)
-
-    with caplog.at_level(logging.INFO, logger="s3ckpt.engine"), pytest.raises(StorageError):
-        asyncio.run(requests._retrying("put_object", "b", "k", attempt))
-    retries = [r for r in caplog.records if "retrying in" in r.getMessage()]
-    assert [r.levelno for r in retries[:2]] == [logging.WARNING, logging.INFO]
-    assert sum(r.levelno == logging.WARNING for r in retries) == 1
-    assert "for up to 0.5 s" in retries[0].getMessage()
 
 
 def test_the_cli_takes_a_retry_timeout(

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from s3ckpt import S3Config, S3Reader, S3Writer
+from s3ckpt import S3Config, S3Reader, S3Writer, WriteOptions
 from s3ckpt.config import MiB
 from s3ckpt.engine.store import get_store
 from tests.helpers import listing
@@ -98,7 +98,12 @@ def test_views_store_only_their_own_elements(s3: Any, bucket: str) -> None:
 def test_tensor_spanning_many_parts(s3: Any, bucket: str) -> None:
     config = s3.config(**SMALL_PARTS)
     state = {"w": torch.randn(23 * MiB // 4 + 3), "b": torch.randn(10)}
-    dcp.save(state, storage_writer=S3Writer(bucket, "ck/parts", config=config, objects_per_rank=1))
+    dcp.save(
+        state,
+        storage_writer=S3Writer(
+            bucket, "ck/parts", config=config, options=WriteOptions(objects_per_rank=1)
+        ),
+    )
     data_keys = [key for key in listing(s3.client, bucket) if "/data-" in key]
     assert len(data_keys) == 1
     head = s3.client.head_object(Bucket=bucket, Key=data_keys[0], PartNumber=1)
@@ -111,7 +116,12 @@ def test_tensor_spanning_many_parts(s3: Any, bucket: str) -> None:
 def test_items_are_packed_into_a_few_balanced_objects(s3: Any, bucket: str) -> None:
     config = s3.config(**SMALL_PARTS)
     state = {f"layer{i}": torch.randn(MiB // 4) for i in range(24)}  # 24 x 1 MiB
-    dcp.save(state, storage_writer=S3Writer(bucket, "ck/pack", config=config, objects_per_rank=4))
+    dcp.save(
+        state,
+        storage_writer=S3Writer(
+            bucket, "ck/pack", config=config, options=WriteOptions(objects_per_rank=4)
+        ),
+    )
     sizes = [size for key, size in listing(s3.client, bucket).items() if "/data-" in key]
     assert len(sizes) == 4
     assert max(sizes) == min(sizes) == 6 * MiB
@@ -120,7 +130,9 @@ def test_items_are_packed_into_a_few_balanced_objects(s3: Any, bucket: str) -> N
 def test_partial_load_reads_only_the_frames_it_needs(s3: Any, bucket: str) -> None:
     frame = 16 * 1024
     state = {"a": torch.randn(256, 256), "b": torch.randn(512), "meta": {"step": 5}}
-    writer = S3Writer(bucket, "ck/partial", config=s3.config(), frame_size=frame)
+    writer = S3Writer(
+        bucket, "ck/partial", config=s3.config(), options=WriteOptions(frame_size=frame)
+    )
     dcp.save(state, storage_writer=writer)
     config = s3.config()
     stats = get_store(config).stats
@@ -225,7 +237,12 @@ def assert_loads_each_stored_byte_once(
 ) -> None:
     """Save with 1 MiB frames, load everything: the bytes received are the stored bytes."""
     config = s3.config(**SMALL_PARTS)
-    writer = S3Writer(bucket, prefix, config=config, objects_per_rank=objects, frame_size=MiB)
+    writer = S3Writer(
+        bucket,
+        prefix,
+        config=config,
+        options=WriteOptions(objects_per_rank=objects, frame_size=MiB),
+    )
     dcp.save(state, storage_writer=writer)
     stored = listing(s3.client, bucket)
     data = sum(size for key, size in stored.items() if f"{prefix}/data-" in key)

@@ -9,8 +9,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from s3ckpt import S3Config, S3Reader, S3Writer
-from s3ckpt.format.layout import data_key, rank_of, spread_digits
+from s3ckpt import S3Config, S3Reader, S3Writer, WriteOptions
 from s3ckpt.tools.catalog import gc
 from tests.faultproxy import FaultProxy, ResetBefore
 from tests.helpers import listing
@@ -32,7 +31,9 @@ def round_trip(config: S3Config, url: str, **writer: Any) -> None:
 
 def test_spread_keys_put_a_hash_first_and_everything_else_still_works(s3: Any, bucket: str) -> None:
     config = s3.config(part_size=5 * 1024 * 1024, multipart_threshold=5 * 1024 * 1024)
-    round_trip(config, f"s3://{bucket}/ck", spread_keys=True, objects_per_rank=4)
+    round_trip(
+        config, f"s3://{bucket}/ck", options=WriteOptions(spread_keys=True, objects_per_rank=4)
+    )
     data = [key for key in listing(s3.client, bucket) if "/data-" in key]
     assert len(data) == 4
     assert all(
@@ -41,19 +42,6 @@ def test_spread_keys_put_a_hash_first_and_everything_else_still_works(s3: Any, b
     assert len({k.split("/")[2] for k in data}) > 1, "the hash spreads the names"
     report = gc(f"s3://{bucket}/ck", older_than=timedelta(0), config=s3.config())
     assert not report.deleted and set(data) <= set(listing(s3.client, bucket))
-
-
-def test_spread_width_grows_with_the_number_of_objects() -> None:
-    assert [spread_digits(n) for n in (1, 256, 257, 4096, 4097, 10**9)] == [2, 2, 3, 3, 4, 4]
-    assert data_key("id", 3, 1) == "data-id/00003-001"
-    assert re.fullmatch(r"data-id/[0-9a-f]{3}/00003-001", data_key("id", 3, 1, spread=3))
-
-
-def test_the_rank_is_read_back_from_every_data_key_form() -> None:
-    assert rank_of(data_key("id", 3, 1)) == 3
-    assert rank_of(data_key("id", 3, 1, spread=3, nonce="ab12cd")) == 3
-    assert rank_of(data_key("id", 12, 0, spread=2)) == 12
-    assert rank_of(".metadata") is None and rank_of("data-id/notes.txt") is None
 
 
 def test_requests_rotate_over_several_endpoints(s3: Any, bucket: str) -> None:

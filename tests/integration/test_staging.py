@@ -3,7 +3,6 @@ time per writer, and non-blocking staging."""
 
 from __future__ import annotations
 
-import pickle
 import time
 from typing import Any
 
@@ -123,12 +122,3 @@ def test_non_blocking_staging_returns_a_staging_future(s3: Any, bucket: str) -> 
     response.upload_completion.result(timeout=120)
     assert torch.equal(load(s3, f"s3://{bucket}/nb", {"w": weights})["w"], expected)
     writer.close()
-
-
-def test_a_writer_with_staged_buffers_pickles_small() -> None:
-    writer = S3Writer("bucket", "prefix")
-    writer.stage({"w": torch.randn(1_000_000)})
-    assert writer._staging.nbytes == 4_000_000
-    copy = pickle.loads(pickle.dumps(writer))
-    assert len(pickle.dumps(writer)) < 10_000
-    assert copy._staging.nbytes == 0 and copy.location == writer.location

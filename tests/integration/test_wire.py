@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from s3ckpt import S3Reader, S3Writer
+from s3ckpt import S3Reader, S3Writer, WriteOptions
 from s3ckpt.config import MiB
 from s3ckpt.engine import bridge
 from s3ckpt.engine.store import get_store
@@ -34,7 +34,12 @@ def test_a_body_damaged_on_the_way_up_is_refused_and_resent(seaweedfs: Any, oper
         proxy.add_rule(Corrupt(where="request"), op=operation, key="/00000-00", times=1)
         config = seaweedfs.config(endpoint_url=proxy.endpoint_url, **SMALL_PARTS)
         retries = get_store(config).stats.retries
-        dcp.save(state, storage_writer=S3Writer(bucket, "ck", config=config, objects_per_rank=2))
+        dcp.save(
+            state,
+            storage_writer=S3Writer(
+                bucket, "ck", config=config, options=WriteOptions(objects_per_rank=2)
+            ),
+        )
         assert len(proxy.faults) == 1
         assert get_store(config).stats.retries > retries
     loaded = {name: torch.zeros_like(t) for name, t in state.items()}

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 from pathlib import Path
 
 import pytest
 
-from s3ckpt import ConfigError, S3Config
+from s3ckpt import ConfigError, S3Config, WriteOptions
 from s3ckpt.config import MiB, parse_s3_url
 
 
@@ -121,3 +122,54 @@ def test_parse_s3_url() -> None:
     for bad in ("bucket/a", "s3:///a", "http://x/y"):
         with pytest.raises(ConfigError):
             parse_s3_url(bad)
+
+
+def test_retries_are_bounded_by_time_by_default() -> None:
+    assert S3Config().max_attempts is None and S3Config().retry_timeout == 60
+    assert S3Config(max_attempts=3).max_attempts == 3, "a cap given is kept"
+    assert S3Config().min_read_rate > 0
+    for invalid in ({"min_read_rate": 0}, {"max_attempts": 0}):
+        with pytest.raises(ValueError):
+            S3Config(**invalid)  # type: ignore[arg-type]
+
+
+def test_max_record_size_must_be_positive() -> None:
+    with pytest.raises(ConfigError, match="max_record_size"):
+        S3Config(max_record_size=0)
+
+
+def test_compression_needs_a_known_codec() -> None:
+    with pytest.raises(ValueError, match="zstd"):
+        WriteOptions(compression="lz4")  # type: ignore[arg-type]
+
+
+def test_write_options_defaults() -> None:
+    options = WriteOptions()
+    assert options.objects_per_rank == 4
+    assert options.frame_size == 4 * MiB == 4 * 1024 * 1024
+    assert options.compression is None
+    assert options.compression_level == 1
+    assert options.shuffle is True
+    assert options.spread_keys is False
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"objects_per_rank": 0}, "objects_per_rank"),
+        ({"frame_size": 1024}, "frame_size"),
+        ({"compression": "lz4"}, "compression"),
+    ],
+)
+def test_invalid_write_options_are_refused_naming_the_field(
+    kwargs: dict[str, object], field: str
+) -> None:
+    with pytest.raises(ConfigError, match=field):
+        WriteOptions(**kwargs)  # type: ignore[arg-type]
+
+
+def test_write_options_are_frozen() -> None:
+    options = WriteOptions()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.frame_size = 8 * MiB  # type: ignore[misc]
+    assert options.frame_size == 4 * MiB

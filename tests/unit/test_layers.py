@@ -126,6 +126,7 @@ def test_the_public_names_of_s3ckpt() -> None:
         "S3Writer",
         "StorageError",
         "UnsafeCheckpoint",
+        "WriteOptions",
     ]
     for name in s3ckpt.__all__:
         assert getattr(s3ckpt, name).__module__.startswith("s3ckpt."), name

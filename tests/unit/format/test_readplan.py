@@ -12,8 +12,10 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
+from s3ckpt.format.frames import ZSTD, FrameTable
 from s3ckpt.format.readplan import (
     Merged,
+    check_plan,
     coalesce,
     covering_range,
     is_exact,
@@ -302,3 +304,55 @@ def test_random_coalesce() -> None:
             assert b.start - a.end > max_gap or not fits, ctx
         merges += n - len(got)
     assert merges > CASES  # the generator exercises real merging
+
+
+# --- check_plan: what `s3ckpt verify` reads ---------------------------------------------------
+
+FRAME = 4096
+RAW_SIZE = 9 * FRAME + 1000  # 10 frames, the last one short
+
+
+@pytest.mark.parametrize(
+    ("limit", "expected"),
+    [(FRAME, 10), (3 * FRAME, 4), (1 << 40, 1)],
+    ids=["one-frame", "three-frames", "huge"],
+)
+def test_check_plan_covers_the_object_in_whole_frames_of_about_limit(
+    limit: int, expected: int
+) -> None:
+    table = FrameTable.raw(FRAME, range(10), RAW_SIZE)
+    fetches = check_plan("ck/data-x/00000-000", table, limit)
+    assert len(fetches) == expected
+    assert fetches[0].start == 0 and fetches[-1].end == RAW_SIZE
+    for before, after in itertools.pairwise(fetches):
+        assert before.end == after.start, "contiguous: no gap, no overlap"
+    for fetch in fetches:
+        assert fetch.key == "ck/data-x/00000-000" and fetch.targets == []
+        assert fetch.start % FRAME == 0
+        assert fetch.end % FRAME == 0 or fetch.end == RAW_SIZE, "whole frames"
+        frames = table.frames(fetch.start, fetch.end)
+        assert (frames.start, frames.stop) == (fetch.start // FRAME, -(-fetch.end // FRAME))
+        stored_start, stored_end = table.covering(fetch.start, fetch.end)
+        stored = stored_end - stored_start
+        if fetch is not fetches[-1]:
+            assert limit <= stored < limit + FRAME, "about limit stored bytes"
+        else:
+            assert 0 < stored < limit + FRAME
+    assert (
+        sum(table.covering(f.start, f.end)[1] - table.covering(f.start, f.end)[0] for f in fetches)
+        == table.size
+    )
+
+
+def test_check_plan_of_a_compressed_table_counts_stored_bytes() -> None:
+    """Frames stored in 1000 bytes each: a limit of 2500 stored bytes takes 3 frames a fetch,
+    while the fetches' ranges stay in raw bytes."""
+    table = FrameTable(FRAME, (1000,) * 10, (0,) * 10, (ZSTD,) * 10, RAW_SIZE)
+    assert table.size == 10_000
+    fetches = check_plan("k", table, 2500)
+    assert [(f.start, f.end) for f in fetches] == [
+        (0, 3 * FRAME),
+        (3 * FRAME, 6 * FRAME),
+        (6 * FRAME, 9 * FRAME),
+        (9 * FRAME, RAW_SIZE),
+    ]
