@@ -1,0 +1,302 @@
+"""Training time lost to checkpoints: a real training loop checkpointing every N steps.
+
+What users feel is not the stall alone but how much longer training takes while checkpoints go
+to the store. Each run is a fresh child process pinned to one core with one torch thread; the
+local SeaweedFS is pinned to another core (on 2 cores a server sharing the trainer's core would
+bound everything). Modes run interleaved, repetitions of all modes in turn, medians reported:
+
+- ``none``: the same steps without checkpoints (the baseline);
+- ``sync``: ``dcp.save`` with `S3Writer`;
+- ``thread`` / ``process``: ``dcp.async_save`` with `S3Writer`, THREAD or PROCESS checkpointer;
+- ``raw``: the floor: the same tensors copied into kept CPU buffers and uploaded by a plain
+  aiobotocore client from a background thread (no DCP, no checksums, no commit).
+
+Every checkpoint mode saves once before the timed loop (warm buffers and client, as in a long
+job), then checkpoints after steps N, 2N, ... and trains N more steps after the last one before
+waiting for it to be durable, so the last upload overlaps like the others. The loop's wall time
+includes that wait. Blocking is the time spent inside the save call plus waiting for the previous
+save. CPU is the trainer process's and its children's (PROCESS mode's checkpoint process),
+all threads.
+
+    python -m benchmarks.bench_training                     # MLP, 4 checkpoints 25 steps apart
+    python -m benchmarks.bench_training --model gpt --modes none sync thread
+    python -m benchmarks.bench_training --sweep 5 10 25     # the shortest interval under 5% lost
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from s3ckpt.config import MiB, S3Config
+
+from .common import GB, RESULTS, ROOT, Endpoint, format_table, machine_info, median, s3_endpoint
+
+MODES = ("none", "sync", "thread", "process", "raw")
+_KEY_ENV, _SECRET_ENV = "S3CKPT_BENCH_ACCESS_KEY", "S3CKPT_BENCH_SECRET_KEY"
+_LOST_GOAL = 0.05  # the sweep looks for the shortest interval losing less than this
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_training", description=__doc__)
+    p.add_argument("--model", choices=("mlp", "gpt"), default="mlp")
+    p.add_argument("--width", type=int, default=2048, help="MLP width / GPT embedding size")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--interval", type=int, default=25, help="steps between checkpoints")
+    p.add_argument("--checkpoints", type=int, default=4)
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--sweep", nargs="*", type=int, metavar="N", help="intervals for thread mode")
+    p.add_argument("--trainer-core", type=int, default=0)
+    p.add_argument("--server-core", type=int, default=max(0, (os.cpu_count() or 2) - 1))
+    p.add_argument("--part-size-mib", type=int, default=S3Config().part_size // MiB)
+    p.add_argument("--json", type=Path, default=RESULTS / "training.json")
+    p.add_argument("--chart", type=Path, default=ROOT / "docs" / "training-overhead.png")
+    p.add_argument("--endpoint-url")
+    p.add_argument("--access-key")
+    p.add_argument("--secret-key")
+    p.add_argument("--region")
+    p.add_argument("--bucket", default=f"bench-training-{secrets.token_hex(3)}")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU host")
+    p.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
+    p.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------- the child
+
+
+def child_main(args: argparse.Namespace) -> int:
+    """One run of one mode: pinned, one torch thread, numbers as JSON to ``--child-out``."""
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {args.trainer_core})
+    from . import training_loop  # torch is imported after pinning, so its threads inherit it
+
+    config = S3Config(
+        endpoint_url=args.endpoint_url,
+        region=args.region,
+        access_key_id=os.environ[_KEY_ENV],
+        secret_access_key=os.environ[_SECRET_ENV],
+        part_size=args.part_size_mib * MiB,
+    )
+    result = training_loop.run(args, config)
+    args.child_out.write_text(json.dumps(result))
+    return 0
+
+
+def _child(
+    args: argparse.Namespace, endpoint: Endpoint, mode: str, interval: int
+) -> dict[str, Any]:
+    out = Path(f"/tmp/s3ckpt-training-{secrets.token_hex(4)}.json")
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.bench_training",
+        "--child",
+        mode,
+        "--child-out",
+        str(out),
+        "--endpoint-url",
+        endpoint.url,
+        "--bucket",
+        args.bucket,
+        "--interval",
+        str(interval),
+    ]
+    for name in ("model", "width", "layers", "batch", "checkpoints", "trainer_core"):
+        command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    command += ["--part-size-mib", str(args.part_size_mib), "--device", args.device]
+    if endpoint.region:
+        command += ["--region", endpoint.region]
+    env = os.environ | {_KEY_ENV: endpoint.access_key_id, _SECRET_ENV: endpoint.secret_access_key}
+    try:
+        done = subprocess.run(
+            command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800
+        )
+        if done.returncode != 0:
+            raise SystemExit(f"{mode} run failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+        result: dict[str, Any] = json.loads(out.read_text())
+    finally:
+        out.unlink(missing_ok=True)
+    return result
+
+
+# ----------------------------------------------------------------------------- the parent
+
+
+def _pin_server(pid: int | None, core: int) -> bool:
+    """Pin every thread of the server to ``core`` (new threads inherit it)."""
+    if pid is None or not hasattr(os, "sched_setaffinity"):
+        return False
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        os.sched_setaffinity(int(task.name), {core})
+    return True
+
+
+def _create_bucket(config: S3Config, bucket: str) -> None:
+    from .raw import RawClient
+
+    async def create() -> None:
+        async with RawClient(config) as raw:
+            await raw.ensure_bucket(bucket)
+
+    asyncio.run(create())
+
+
+def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Medians per mode, and the time lost against ``none`` and the cut against ``sync``."""
+    base = median([r["wall_s"] for r in runs.get("none", [])])
+    base_cpu = median([r["cpu_s"] for r in runs.get("none", [])])
+    out: dict[str, dict[str, Any]] = {}
+    for mode, results in runs.items():
+        wall = median([r["wall_s"] for r in results])
+        cpu = median([r["cpu_s"] for r in results])
+        lost = None if base is None or wall is None else wall - base
+        saved_gb = results[0]["checkpoints"] * results[0]["state_bytes"] / GB if results else 0.0
+        extra_cpu = None if base_cpu is None or cpu is None or mode == "none" else cpu - base_cpu
+        out[mode] = {
+            "wall_s": wall,
+            "wall_all": [r["wall_s"] for r in results],
+            "lost_s": lost,
+            "lost_fraction": None if lost is None or not base else lost / base,
+            "blocking_s": median([r["blocking_s"] for r in results]),
+            "cpu_s": cpu,
+            "extra_cpu_s": extra_cpu,
+            "cpu_s_per_gb": None if extra_cpu is None or not saved_gb else extra_cpu / saved_gb,
+            "state_bytes": results[0]["state_bytes"] if results else None,
+        }
+    sync_lost = out.get("sync", {}).get("lost_s")
+    for numbers in out.values():
+        lost = numbers["lost_s"]
+        numbers["cut_vs_sync"] = (
+            None if lost is None or not sync_lost or sync_lost <= 0 else 1 - lost / sync_lost
+        )
+    return out
+
+
+def table(summary: dict[str, dict[str, Any]], checkpoints: int) -> str:
+    headers = ["mode", "wall s", "lost s", "lost %", "cut vs sync", "blocking s", "extra CPU s"]
+    headers += ["CPU s/GB", "MB/ckpt", "walls"]
+    rows = []
+    for mode, n in summary.items():
+        lost_pct = None if n["lost_fraction"] is None else 100 * n["lost_fraction"]
+        cut = None if n["cut_vs_sync"] is None else f"{100 * n['cut_vs_sync']:.0f}%"
+        walls = " ".join(f"{w:.2f}" for w in n["wall_all"])
+        size = None if n["state_bytes"] is None else n["state_bytes"] / 1e6
+        rows.append(
+            [mode, n["wall_s"], n["lost_s"], lost_pct, cut, n["blocking_s"], n["extra_cpu_s"]]
+        )
+        rows[-1] += [n["cpu_s_per_gb"], size, walls]
+    note = (
+        f"{checkpoints} checkpoints; medians; lost = wall - wall(none); cut = 1 - lost/lost(sync)"
+    )
+    return format_table(headers, rows) + "\n" + note
+
+
+def _interleaved(
+    args: argparse.Namespace, endpoint: Endpoint, modes: list[str], interval: int
+) -> dict[str, list[dict[str, Any]]]:
+    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
+    for rep in range(args.repeat):
+        for mode in modes:
+            result = _child(args, endpoint, mode, interval)
+            runs[mode].append(result)
+            print(
+                f"  [{rep + 1}/{args.repeat}] interval {interval:>3} {mode:>8}: "
+                f"{result['wall_s']:.2f} s wall, {result['blocking_s']:.2f} s blocking, "
+                f"{result['cpu_s']:.2f} s CPU",
+                flush=True,
+            )
+    return runs
+
+
+def _sweep(
+    args: argparse.Namespace, endpoint: Endpoint, intervals: list[int]
+) -> list[dict[str, Any]]:
+    """Time lost by thread mode at each interval; the shortest one under the goal."""
+    points = []
+    for interval in sorted(intervals):
+        summary = summarize(_interleaved(args, endpoint, ["none", "thread"], interval))
+        thread = summary["thread"]
+        points.append({"interval": interval, "lost_fraction": thread["lost_fraction"], **thread})
+    return points
+
+
+def _chart(path: Path, summary: dict[str, dict[str, Any]], sweep: list[dict[str, Any]]) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(no matplotlib: no chart)")
+        return
+    panels = 2 if sweep else 1
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 3.6), squeeze=False)
+    modes = [m for m in summary if m != "none"]
+    lost = [summary[m]["lost_s"] or 0.0 for m in modes]
+    blocking = [summary[m]["blocking_s"] or 0.0 for m in modes]
+    ax = axes[0][0]
+    ax.bar(modes, lost, color="#4c78a8", label="training time lost")
+    ax.bar(modes, blocking, color="#f58518", width=0.4, label="of which blocking")
+    ax.set_ylabel("seconds")
+    ax.set_title("time lost to checkpoints, per mode")
+    ax.legend()
+    if sweep:
+        ax = axes[0][1]
+        ax.plot([p["interval"] for p in sweep], [100 * (p["lost_fraction"] or 0) for p in sweep])
+        ax.axhline(100 * _LOST_GOAL, color="grey", linestyle="--")
+        ax.set_xlabel("steps between checkpoints")
+        ax.set_ylabel("% of training time lost (thread)")
+        ax.set_title("checkpoint interval sweep")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"chart: {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        return child_main(args)
+    machine = machine_info()
+    with s3_endpoint(args.endpoint_url, args.access_key, args.secret_key, args.region) as ep:
+        pinned = _pin_server(ep.server_pid, args.server_core)
+        server = f"on core {args.server_core}" if pinned else "unpinned"
+        config = ep.config(part_size=args.part_size_mib * MiB, max_concurrency=8)
+        _create_bucket(config, args.bucket)
+        print(
+            f"training benchmark: {args.model} x{args.layers} width {args.width}, batch "
+            f"{args.batch}, {args.checkpoints} checkpoints every {args.interval} steps; trainer "
+            f"on core {args.trainer_core}, server {server}; "
+            f"{ep.server}",
+            flush=True,
+        )
+        runs = _interleaved(args, ep, args.modes, args.interval)
+        summary = summarize(runs)
+        sweep = _sweep(args, ep, args.sweep) if args.sweep else []
+    print(table(summary, args.checkpoints))
+    if sweep:
+        rows = [[p["interval"], 100 * (p["lost_fraction"] or 0), p["lost_s"]] for p in sweep]
+        print(format_table(["interval", "lost %", "lost s"], rows))
+        under = [p["interval"] for p in sweep if (p["lost_fraction"] or 1) < _LOST_GOAL]
+        print(f"shortest interval under {100 * _LOST_GOAL:.0f}% lost: {min(under, default='-')}")
+    report = {"args": {k: str(v) for k, v in vars(args).items()}, "machine": machine}
+    report |= {"server_pinned": pinned, "runs": runs, "summary": summary, "sweep": sweep}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=2))
+    print(f"JSON: {args.json}")
+    _chart(args.chart, summary, sweep)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,235 @@
+"""The loop `bench_training` times: a model, AdamW, and a checkpoint every N steps.
+
+Imported by the child process after it pinned itself to its core, so that torch's threads
+inherit the pinning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import contextlib
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psutil
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.checkpoint.state_dict_saver import (
+    AsyncCheckpointerType,
+    async_save,
+    save,
+)
+
+from s3ckpt import S3Config, S3Writer
+
+from .raw import RawClient
+
+__all__ = ["run"]
+
+
+class _Mlp(nn.Module):
+    def __init__(self, width: int, layers: int) -> None:
+        super().__init__()
+        blocks: list[nn.Module] = []
+        for _ in range(layers):
+            blocks += [nn.Linear(width, width), nn.GELU()]
+        self.body = nn.Sequential(*blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.body(x)
+        return out
+
+
+class _Gpt(nn.Module):
+    """A small decoder-only transformer (causal self-attention blocks)."""
+
+    def __init__(self, width: int, layers: int, vocab: int = 8192, context: int = 128) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.position = nn.Parameter(torch.zeros(context, width))
+        layer = nn.TransformerEncoderLayer(
+            width, nhead=max(1, width // 64), dim_feedforward=4 * width, batch_first=True
+        )
+        self.blocks = nn.TransformerEncoder(layer, layers)
+        self.head = nn.Linear(width, vocab)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(context))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.position[: tokens.shape[1]]
+        out: torch.Tensor = self.head(self.blocks(x, mask=self.mask, is_causal=True))
+        return out
+
+
+def _model(args: argparse.Namespace) -> tuple[nn.Module, Callable[[], torch.Tensor]]:
+    """The model and one training step's loss (fixed synthetic data: no loader to measure)."""
+    device = torch.device(args.device)
+    generator = torch.Generator().manual_seed(0)
+    if args.model == "mlp":
+        mlp = _Mlp(args.width, args.layers).to(device)
+        x = torch.randn(args.batch, args.width, generator=generator).to(device)
+        y = torch.randn(args.batch, args.width, generator=generator).to(device)
+        return mlp, lambda: nn.functional.mse_loss(mlp(x), y)
+    gpt = _Gpt(args.width, args.layers).to(device)
+    tokens = torch.randint(0, 8192, (args.batch, 129), generator=generator).to(device)
+
+    def loss() -> torch.Tensor:
+        logits = gpt(tokens[:, :-1])
+        return nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+    return gpt, loss
+
+
+class _Raw:
+    """The floor: copy into kept CPU buffers, upload them with one plain aiobotocore client
+    that lives on its own loop thread (as s3ckpt's does)."""
+
+    def __init__(self, config: S3Config, bucket: str) -> None:
+        self.bucket = bucket
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.client = RawClient(config)
+        self._submit(self.client.__aenter__()).result()
+        self.pending: concurrent.futures.Future[float] | None = None
+
+    def _submit(self, coro: Any) -> concurrent.futures.Future[Any]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def save(self, state: dict[str, Any], prefix: str) -> None:
+        for name, tensor in _tensors(state).items():
+            buffer = self.buffers.get(name)
+            if buffer is None:
+                buffer = self.buffers[name] = torch.empty_like(tensor, device="cpu")
+            buffer.copy_(tensor)
+        views = {
+            f"{prefix}/{name}": memoryview(b.view(-1).view(torch.uint8).numpy())
+            for name, b in self.buffers.items()
+        }
+        self.pending = self._submit(self.client.upload(self.bucket, views))
+
+    def wait(self) -> None:
+        if self.pending is not None:
+            self.pending.result()
+            self.pending = None
+
+
+def _tensors(state: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    if isinstance(state, torch.Tensor):
+        return {prefix: state}
+    if isinstance(state, dict):
+        out: dict[str, torch.Tensor] = {}
+        for k, v in state.items():
+            out |= _tensors(v, f"{prefix}.{k}" if prefix else str(k))
+        return out
+    return {}
+
+
+def _cpu_seconds() -> float:
+    """This process and its children (PROCESS mode's checkpointer), all threads."""
+    me = psutil.Process()
+    total = sum(me.cpu_times()[:2])
+    for child in me.children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            total += sum(child.cpu_times()[:2])
+    return float(total)
+
+
+def run(args: argparse.Namespace, config: S3Config) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    mode, interval, checkpoints = args.child, args.interval, args.checkpoints
+    with tempfile.TemporaryDirectory() as store:
+        dist.init_process_group("gloo", init_method=f"file://{store}/pg", rank=0, world_size=1)
+        try:
+            return _timed(args, config, mode, interval, checkpoints)
+        finally:
+            dist.destroy_process_group()
+
+
+def _timed(
+    args: argparse.Namespace, config: S3Config, mode: str, interval: int, checkpoints: int
+) -> dict[str, Any]:
+    model, loss_of = _model(args)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step() -> None:
+        loss = loss_of()
+        optimizer.zero_grad()
+        loss.backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+
+    for _ in range(3):  # optimizer state exists, caches are warm
+        step()
+    run_url = f"s3://{args.bucket}/{mode}-{os.getpid()}-{interval}"
+    writer = S3Writer(run_url, config=config) if mode in ("thread", "process") else None
+    raw = _Raw(config, args.bucket) if mode == "raw" else None
+    kind = AsyncCheckpointerType.PROCESS if mode == "process" else AsyncCheckpointerType.THREAD
+    pending: Any = None
+    blocking = 0.0
+
+    def checkpoint(name: str) -> None:
+        nonlocal pending, blocking
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        began = time.perf_counter()
+        if mode == "sync":
+            save(state, storage_writer=S3Writer(f"{run_url}/{name}", config=config))
+        elif raw is not None:
+            raw.wait()
+            raw.save(state, f"{mode}-{os.getpid()}/{name}")
+        elif writer is not None:
+            if pending is not None:
+                pending.result()
+            pending = async_save(
+                state,
+                checkpoint_id=f"{run_url}/{name}",
+                storage_writer=writer,
+                async_checkpointer_type=kind,
+            )
+        blocking += time.perf_counter() - began
+
+    def durable() -> None:
+        nonlocal blocking
+        began = time.perf_counter()
+        if pending is not None:
+            pending.result()
+        if raw is not None:
+            raw.wait()
+        blocking += time.perf_counter() - began
+
+    if mode != "none":
+        checkpoint("warm-up")
+        durable()
+    blocking = 0.0
+    model_state, optim_state = get_state_dict(model, optimizer)
+    tensors = _tensors({"model": model_state, "optim": optim_state}).values()
+    state_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    cpu_before, started = _cpu_seconds(), time.perf_counter()
+    steps = interval * (checkpoints + 1)
+    for number in range(1, steps + 1):
+        step()
+        if mode != "none" and number % interval == 0 and number // interval <= checkpoints:
+            checkpoint(f"step-{number}")
+    durable()
+    wall = time.perf_counter() - started
+    cpu = _cpu_seconds() - cpu_before
+    if args.device != "cpu":
+        torch.cuda.synchronize()
+    return {
+        "mode": mode,
+        "wall_s": wall,
+        "blocking_s": blocking,
+        "cpu_s": cpu,
+        "steps": steps,
+        "step_s": wall / steps,
+        "checkpoints": checkpoints if mode != "none" else 0,
+        "state_bytes": state_bytes,
+    }
