@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import os
+import statistics
 import tempfile
 import threading
 import time
@@ -142,6 +143,34 @@ def _cpu_seconds() -> float:
     return float(total)
 
 
+def _thread_cpu() -> tuple[float, float]:
+    """CPU seconds of the main (training) thread, and of all other threads of this process."""
+    main = threading.main_thread().native_id
+    main_s = other_s = 0.0
+    for thread in psutil.Process().threads():
+        if thread.id == main:
+            main_s += thread.user_time + thread.system_time
+        else:
+            other_s += thread.user_time + thread.system_time
+    return main_s, other_s
+
+
+def _core_times(core: int) -> dict[str, float]:
+    """Seconds the core spent in user, system, softirq and irq (from /proc/stat)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    with open("/proc/stat") as stat:
+        for line in stat:
+            name, *values = line.split()
+            if name == f"cpu{core}":
+                user, nice, system, _, _, irq, softirq = (int(v) for v in values[:7])
+                return {
+                    "user": (user + nice) / ticks,
+                    "system": system / ticks,
+                    "irq": (irq + softirq) / ticks,
+                }
+    return {}
+
+
 def run(args: argparse.Namespace, config: S3Config) -> dict[str, Any]:
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -196,6 +225,11 @@ def _timed(
             )
         blocking += time.perf_counter() - began
 
+    def in_flight_now() -> bool:
+        if raw is not None:
+            return raw.pending is not None and not raw.pending.done()
+        return pending is not None and not pending.done()
+
     def durable() -> None:
         nonlocal blocking
         began = time.perf_counter()
@@ -212,18 +246,38 @@ def _timed(
     model_state, optim_state = get_state_dict(model, optimizer)
     tensors = _tensors({"model": model_state, "optim": optim_state}).values()
     state_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    threads_before, core_before = _thread_cpu(), _core_times(args.trainer_core)
     cpu_before, started = _cpu_seconds(), time.perf_counter()
     steps = interval * (checkpoints + 1)
+    durations: list[float] = []
+    busy: list[bool] = []  # a save was in flight while the step ran
     for number in range(1, steps + 1):
+        began = time.perf_counter()
+        in_flight = in_flight_now()
         step()
+        if args.device != "cpu":
+            torch.cuda.synchronize()
+        durations.append(time.perf_counter() - began)
+        busy.append(in_flight or in_flight_now())
         if mode != "none" and number % interval == 0 and number // interval <= checkpoints:
             checkpoint(f"step-{number}")
     durable()
     wall = time.perf_counter() - started
     cpu = _cpu_seconds() - cpu_before
-    if args.device != "cpu":
-        torch.cuda.synchronize()
+    threads_after, core_after = _thread_cpu(), _core_times(args.trainer_core)
+    core = {k: core_after[k] - core_before.get(k, 0.0) for k in core_after}
+    # The machine's speed drifts between runs by more than a checkpoint costs; within a run, a
+    # step without a save in flight (the whole first interval is one) is the baseline.
+    clean = statistics.median(d for d, b in zip(durations, busy, strict=True) if not b)
+    slowed = sum(d - clean for d, b in zip(durations, busy, strict=True) if b)
     return {
+        "in_run_lost_s": blocking + slowed,
+        "main_thread_cpu_s": threads_after[0] - threads_before[0],
+        "other_threads_cpu_s": threads_after[1] - threads_before[1],
+        "core_s": core,
+        "slowed_s": slowed,
+        "clean_step_s": clean,
+        "busy_steps": sum(busy),
         "mode": mode,
         "wall_s": wall,
         "blocking_s": blocking,
