@@ -154,21 +154,26 @@ def _create_bucket(config: S3Config, bucket: str) -> None:
 def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     """Medians per mode, and the time lost against ``none`` and the cut against ``sync``."""
     base = median([r["wall_s"] for r in runs.get("none", [])])
-    base_cpu = median([r["cpu_s"] for r in runs.get("none", [])])
     out: dict[str, dict[str, Any]] = {}
     for mode, results in runs.items():
         wall = median([r["wall_s"] for r in results])
         cpu = median([r["cpu_s"] for r in results])
         lost = None if base is None or wall is None else wall - base
         saved_gb = results[0]["checkpoints"] * results[0]["state_bytes"] / GB if results else 0.0
-        extra_cpu = None if base_cpu is None or cpu is None or mode == "none" else cpu - base_cpu
+        # PROCESS mode uploads from its own process: its trainer's threads say nothing
+        threads = [r["other_threads_cpu_s"] for r in results]
+        background = None if mode == "process" else median(threads)
         out[mode] = {
             "in_run_lost_s": median([r["in_run_lost_s"] for r in results]),
             # what was lost, against the time the same steps take without checkpoints
             "in_run_fraction": median(
                 [r["in_run_lost_s"] / (r["clean_step_s"] * r["steps"]) for r in results]
             ),
-            "background_cpu_s": median([r.get("other_threads_cpu_s") for r in results]),
+            # the storage layer's threads in the trainer (PROCESS mode's process is apart)
+            "background_cpu_s": background,
+            "background_cpu_s_per_gb": None
+            if background is None or not saved_gb
+            else background / saved_gb,
             "in_run_all": [r["in_run_lost_s"] for r in results],
             "slowed_s": median([r["slowed_s"] for r in results]),
             "clean_step_s": median([r["clean_step_s"] for r in results]),
@@ -178,8 +183,6 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]
             "lost_fraction": None if lost is None or not base else lost / base,
             "blocking_s": median([r["blocking_s"] for r in results]),
             "cpu_s": cpu,
-            "extra_cpu_s": extra_cpu,
-            "cpu_s_per_gb": None if extra_cpu is None or not saved_gb else extra_cpu / saved_gb,
             "state_bytes": results[0]["state_bytes"] if results else None,
         }
     for kind in ("lost_s", "in_run_lost_s"):
@@ -193,7 +196,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]
 
 def table(summary: dict[str, dict[str, Any]], checkpoints: int) -> str:
     headers = ["mode", "in-run lost s", "cut", "blocking s", "slowed s", "wall s", "lost s"]
-    headers += ["cut (wall)", "bg CPU s", "MB/ckpt", "walls"]
+    headers += ["cut (wall)", "bg CPU s", "bg CPU s/GB", "MB/ckpt", "walls"]
     rows = []
     for mode, n in summary.items():
         cut = None if n["cut_vs_sync"] is None else f"{100 * n['cut_vs_sync']:.0f}%"
@@ -202,7 +205,7 @@ def table(summary: dict[str, dict[str, Any]], checkpoints: int) -> str:
         in_run = n["cut_vs_sync_in_run"]
         rows.append([mode, n["in_run_lost_s"], None if in_run is None else f"{100 * in_run:.0f}%"])
         rows[-1] += [n["blocking_s"], n["slowed_s"], n["wall_s"], n["lost_s"], cut]
-        rows[-1] += [n["background_cpu_s"], size, walls]
+        rows[-1] += [n["background_cpu_s"], n["background_cpu_s_per_gb"], size, walls]
     note = (
         f"{checkpoints} checkpoints, medians. in-run lost = blocking + what steps with a save in "
         "flight took beyond the run's own clean step (cut: against sync's); lost = wall - "

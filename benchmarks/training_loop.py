@@ -175,8 +175,8 @@ def run(args: argparse.Namespace, config: S3Config) -> dict[str, Any]:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     mode, interval, checkpoints = args.child, args.interval, args.checkpoints
-    with tempfile.TemporaryDirectory() as store:
-        dist.init_process_group("gloo", init_method=f"file://{store}/pg", rank=0, world_size=1)
+    with tempfile.TemporaryDirectory() as directory:
+        dist.init_process_group("gloo", init_method=f"file://{directory}/pg", rank=0, world_size=1)
         try:
             return _timed(args, config, mode, interval, checkpoints)
         finally:

@@ -63,7 +63,7 @@ class AtPrefix:
 
 async def read_record(
     store: ObjectStore, location: Location, retry: RetryPolicy | None = None
-) -> tuple[bytes, str] | None:
+) -> tuple[bytes, str | None] | None:
     """The raw record and its ETag (``None``: there is none); one over
     ``max_record_size`` raises MetadataError before its body is read."""
     limit, url = store.config.max_record_size, location.metadata_url

@@ -30,7 +30,6 @@ from ..errors import (
     MetadataError,
     ObjectNotFound,
     S3CkptError,
-    StorageError,
     UnsafeCheckpoint,
 )
 from ..format import readplan
@@ -174,32 +173,8 @@ class S3Reader(AtLocation, StorageReader):
             for fetch in fetches
             if sum(t.end - t.start for t in fetch.targets if t.sink is None) > self.config.part_size
         }
-        await gather_or_cancel(self._check_size(key, sizes[key]) for key in sorted(large))
-
-    async def _check_size(self, key: str, size: int) -> None:
-        bucket = self.location.bucket
-        head = await self._store.head(bucket, key)
-        if head is None:
-            raise ObjectNotFound(
-                f"head_object s3://{bucket}/{key} at {self._store.endpoint}: no such object",
-                endpoint=self._store.endpoint,
-                bucket=bucket,
-                key=key,
-                operation="head_object",
-                code="NoSuchKey",
-                status=404,
-            )
-        if head.size != size:
-            raise StorageError(
-                f"get_object s3://{bucket}/{key} at {self._store.endpoint}: the object holds "
-                f"{head.size} bytes, not the {size} the commit recorded; it was truncated or "
-                "replaced after it was written",
-                endpoint=self._store.endpoint,
-                bucket=bucket,
-                key=key,
-                operation="get_object",
-                code="SizeMismatch",
-            )
+        store, bucket = self._store, self.location.bucket
+        await gather_or_cancel(store.check_size(bucket, key, sizes[key]) for key in sorted(large))
 
     async def _read_checkpoint(self) -> Checkpoint:
         return (await read_prefix(self._store, self.location)).require()

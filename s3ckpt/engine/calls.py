@@ -24,7 +24,7 @@ from .clients import ClientHolder, map_error
 from .contract import Listing, Part, Stats, StoredObject, Upload
 from .retry import RetryPolicy, is_repeat_limited, is_transient
 
-__all__ = ["Calls"]
+__all__ = ["Calls", "etag_of"]
 
 T = TypeVar("T")
 log = logging.getLogger("s3ckpt.engine")
@@ -162,7 +162,7 @@ class Calls:
         except ObjectNotFound:
             return None
         modified = _utc(reply["LastModified"]) if "LastModified" in reply else _server_time(reply)
-        return StoredObject(key, int(reply["ContentLength"]), modified, str(reply.get("ETag")))
+        return StoredObject(key, int(reply["ContentLength"]), modified, etag_of(reply))
 
     async def check_bucket(self, bucket: str) -> None:
         """Credentials scoped to a prefix may not be allowed HeadBucket; that is not an error."""
@@ -289,6 +289,11 @@ class Calls:
         """Abort an upload of ours that failed; failures are swallowed (gc finds what is left)."""
         with contextlib.suppress(StorageError):
             await self._call("abort_multipart_upload", bucket, key, Key=key, UploadId=upload_id)
+
+
+def etag_of(reply: dict[str, Any]) -> str | None:
+    etag = reply.get("ETag")
+    return None if etag is None else str(etag)
 
 
 def _utc(when: datetime) -> datetime:

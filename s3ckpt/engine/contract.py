@@ -74,7 +74,7 @@ class Blob:
     """A whole object, read."""
 
     data: bytes
-    etag: str
+    etag: str | None
 
 
 @dataclass
@@ -139,6 +139,11 @@ class ObjectStore(Protocol):
 
     async def head(self, bucket: str, key: str) -> StoredObject | None:
         """The object's size, time and ETag; ``None`` if it does not exist."""
+        ...
+
+    async def check_size(self, bucket: str, key: str, size: int) -> None:
+        """Raise (code SizeMismatch; ObjectNotFound if it is gone) unless the object holds
+        ``size`` bytes: one HEAD, for a reader about to allocate what a record claims."""
         ...
 
     async def get(

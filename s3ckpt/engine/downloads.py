@@ -19,7 +19,7 @@ import botocore.exceptions
 from ..checksums import Checksums, StreamCheck
 from ..errors import ChecksumMismatch, StorageError
 from .buffers import Scatter
-from .calls import Calls
+from .calls import Calls, etag_of
 from .contract import Blob
 from .retry import RetryPolicy
 
@@ -85,7 +85,7 @@ class Downloads(Calls):
             if len(data) != reply["ContentLength"]:
                 ended = f"after {len(data)} of {reply['ContentLength']} bytes"
                 raise self._truncated(bucket, key, ended)
-            return Blob(data, str(reply.get("ETag")))
+            return Blob(data, etag_of(reply))
 
         async with self._semaphore():
             blob = await self._retrying("get_object", bucket, key, attempt, retry)
@@ -184,6 +184,11 @@ class Downloads(Calls):
                 raise self._truncated(bucket, key, f"before frame {following} was complete")
 
         await self._retrying("get_object", bucket, key, attempt, progress=lambda: following)
+
+    async def check_size(self, bucket: str, key: str, size: int) -> None:
+        reply = await self._call("head_object", bucket, key, Key=key)
+        if reply["ContentLength"] != size:
+            raise self._wrong_size(bucket, key, 0, size, size, reply["ContentLength"])
 
     async def _get_range(
         self, bucket: str, key: str, start: int, end: int, size: int | None

@@ -21,6 +21,7 @@ from ..dcp.prefix import read_prefix
 from ..dcp.reader import S3Reader
 from ..engine import bridge
 from ..engine.contract import ObjectStore, Upload
+from ..engine.store import get_store
 from ..errors import S3CkptError
 from ..format.layout import Location
 from ..format.record import Checkpoint
@@ -46,19 +47,19 @@ __all__ = [
 
 def list_checkpoints(url: str, config: S3Config | None = None) -> list[CheckpointInfo]:
     """Checkpoints at ``url`` and directly under it, oldest first (by step, then creation)."""
-    found = bridge.run(scan.survey(scan.store_for(config), scan.location_of(url)))
+    found = bridge.run(scan.survey(get_store(config), scan.location_of(url)))
     return [f.info for f in found]
 
 
 def latest(url: str, config: S3Config | None = None) -> CheckpointInfo | None:
     """The committed checkpoint with the highest step (then the newest), or None."""
-    return bridge.run(_latest(scan.store_for(config), scan.location_of(url)))
+    return bridge.run(_latest(get_store(config), scan.location_of(url)))
 
 
 def describe(url: str, config: S3Config | None = None) -> tuple[CheckpointInfo, Checkpoint]:
     """The committed checkpoint at ``url`` and its record; else CheckpointNotFound or
     IncompleteCheckpoint."""
-    return bridge.run(_describe(scan.store_for(config), scan.location_of(url)))
+    return bridge.run(_describe(get_store(config), scan.location_of(url)))
 
 
 def read_state(

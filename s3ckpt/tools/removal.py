@@ -22,6 +22,7 @@ from ..config import S3Config
 from ..dcp.prefix import saves
 from ..engine import bridge
 from ..engine.contract import ObjectStore, StoredObject, Upload
+from ..engine.store import get_store
 from ..errors import (
     AccessDenied,
     CheckpointNotFound,
@@ -82,7 +83,7 @@ def delete(
 ) -> Removal:
     """Delete the checkpoint at ``url``: ``.metadata``, then its data objects, then abort its
     multipart uploads. If ``confirm`` declines, nothing is deleted (an empty Removal returns)."""
-    location, store = scan.location_of(url), scan.store_for(config)
+    location, store = scan.location_of(url), get_store(config)
     target = bridge.run(_plan_delete(store, location))
     if confirm is not None and not confirm(_preview(location.bucket, [target])):
         return Removal(location.bucket)
@@ -101,7 +102,7 @@ def prune(
     those deleted. Incomplete ones are left to `gc`: they may be saves in progress."""
     if keep < 1:
         raise ConfigError(f"keep must be >= 1 (the latest checkpoint is never pruned), got {keep}")
-    location, store = scan.location_of(url), scan.store_for(config)
+    location, store = scan.location_of(url), get_store(config)
     plan = bridge.run(_plan_prune(store, location, keep))
     if not plan or (confirm is not None and not confirm([info for info, _ in plan])):
         return []
@@ -126,7 +127,7 @@ def gc(
     lease is live is spared too, unless ``break_leases`` (for writers known to be dead)."""
     if older_than < timedelta(0):
         raise ConfigError(f"older_than must not be negative, got {older_than}")
-    location, store = scan.location_of(url), scan.store_for(config)
+    location, store = scan.location_of(url), get_store(config)
     targets = bridge.run(_plan_gc(store, location, older_than, break_leases))
     young = [key for t in targets for key in t.young]
     young_uploads = [upload for t in targets for upload in t.young_uploads]

@@ -17,11 +17,10 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import TypeVar
 
-from ..config import S3Config, parse_s3_url
+from ..config import parse_s3_url
 from ..dcp.prefix import AtPrefix, State, read_prefix, saves
 from ..engine.bridge import gather_or_cancel
 from ..engine.contract import ObjectStore, StoredObject, Upload
-from ..engine.store import get_store
 from ..errors import MetadataError
 from ..format import layout
 from ..format.layout import Location
@@ -41,7 +40,6 @@ __all__ = [
     "readable",
     "run_all",
     "step_of",
-    "store_for",
     "survey",
     "uploads",
 ]
@@ -94,10 +92,6 @@ class Found:
 
 def location_of(url: str) -> Location:
     return Location(*parse_s3_url(url))
-
-
-def store_for(config: S3Config | None) -> ObjectStore:
-    return get_store(config or S3Config())
 
 
 def step_of(location: Location) -> int | None:
@@ -222,7 +216,9 @@ async def _inspect(
     unreadable = None if at.error is None else str(at.error)
     if unreadable is not None:
         log.warning("%s: %s", location.url, unreadable)
-    data = list(at.data) if at.data else [obj for obj, _ in (await saves(store, location))[0]]
+    # read_prefix listed the save objects unless it found a record it could not read
+    unlisted = at.state is State.UNREADABLE
+    data = [obj for obj, _ in (await saves(store, location))[0]] if unlisted else list(at.data)
     if not data and not pending and unreadable is None:
         return None
     start = len(location.listing_prefix)
