@@ -6,16 +6,50 @@ the wire, reads verified as they stream), which otherwise know nothing of each o
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import crc32c
 
-__all__ = ["Checksums", "StreamCheck", "checksum"]
+__all__ = ["Checksums", "StreamCheck", "checksum", "combine"]
+
+_POLY = 0x82F63B78  # CRC32C, bit-reflected
 
 
 def checksum(data: bytes | bytearray | memoryview, value: int = 0) -> int:
     """CRC32C (hardware-accelerated), continuing from ``value``."""
     return int(crc32c.crc32c(data, value))
+
+
+def combine(first: int, second: int, second_length: int) -> int:
+    """The CRC32C of two byte strings back to back, from their CRCs and the second's length,
+    without reading them again (so a part's checksum comes from its frames' checksums)."""
+    return _multiply(_x_to_the_8n(second_length), first) ^ second
+
+
+def _multiply(a: int, b: int) -> int:
+    """``a * b`` modulo the CRC polynomial, both bit-reflected."""
+    product, bit = 0, 1 << 31
+    while a:
+        if a & bit:
+            product ^= b
+            a ^= bit
+        bit >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+    return product
+
+
+@functools.lru_cache(maxsize=64)
+def _x_to_the_8n(n: int) -> int:
+    """x^(8n) modulo the polynomial: what appending ``n`` zero bytes multiplies a CRC by."""
+    result, power = 1 << 31, 1 << 30  # x^0 and x^1
+    n *= 8
+    while n:
+        if n & 1:
+            result = _multiply(power, result)
+        power = _multiply(power, power)
+        n >>= 1
+    return result
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..checksums import checksum
 from ..config import MiB, parse_s3_url
 from ..dcp.reads import run_all
 from ..engine import bridge
@@ -150,11 +151,14 @@ class _Random:
     def size(self) -> int:
         return len(self.data)
 
-    def view(self, start: int, end: int) -> memoryview:
-        return memoryview(self.data)[start:end]
+    def views(self, start: int, end: int) -> list[memoryview]:
+        return [memoryview(self.data)[start:end]]
 
     def read(self, start: int, end: int, scratch: memoryview) -> memoryview:
-        return self.view(start, end)
+        return memoryview(self.data)[start:end]
+
+    def checksum(self, start: int, end: int) -> int:
+        return checksum(memoryview(self.data)[start:end])
 
 
 async def _measure(

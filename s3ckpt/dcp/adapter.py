@@ -4,6 +4,7 @@ moves it, and the torch Future that DCP waits on."""
 from __future__ import annotations
 
 import concurrent.futures
+import os
 from typing import Any, TypeVar
 
 import torch.futures
@@ -24,6 +25,12 @@ class AtLocation:
     def __init__(self, bucket: str, prefix: str, config: S3Config | None) -> None:
         self.location = Location.of(bucket, prefix)
         self.config = config or S3Config()
+        self._resolved: tuple[int, ObjectStore] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_resolved"] = None  # a store lives in one process, on its loop
+        return state
 
     @property
     def checkpoint_id(self) -> str:
@@ -40,7 +47,11 @@ class AtLocation:
 
     @property
     def _store(self) -> ObjectStore:
-        return get_store(self.config)
+        """The store, resolved once per adapter and process: resolving reads the environment
+        and the AWS config files, too slow to repeat for every request of every save."""
+        if self._resolved is None or self._resolved[0] != os.getpid():
+            self._resolved = (os.getpid(), get_store(self.config))
+        return self._resolved[1]
 
 
 def to_torch_future(done: concurrent.futures.Future[T]) -> torch.futures.Future[T]:

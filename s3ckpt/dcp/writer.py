@@ -114,7 +114,7 @@ class S3Writer(AtLocation, StorageWriter):
 
     def __getstate__(self) -> dict[str, Any]:
         # PROCESS mode pickles the writer on every save: never ship buffers, threads or locks.
-        state = dict(self.__dict__)
+        state = AtLocation.__getstate__(self)
         state["_staging"] = None
         state["_stager_thread"] = None
         state["_reset_in"] = None
@@ -205,7 +205,9 @@ class S3Writer(AtLocation, StorageWriter):
                 rank_plan.save_id, rank_plan.rank, obj, rank_plan.spread, nonce
             )
             packed = Packed(
-                [value for _, value in members], [element.get(item.index) for item, _ in members]
+                [value for _, value in members],
+                [element.get(item.index) for item, _ in members],
+                self.options.frame_size,
             )
             uploads[relative] = packed
             for (item, _), start, length in zip(
@@ -291,9 +293,9 @@ class S3Writer(AtLocation, StorageWriter):
         async def one(relative: str, packed: Packed) -> None:
             key = self.location.key(relative)
             if self.options.compression is None:
-                checksums = loop.run_in_executor(None, packed.frame_table, frame_size)
+                # The frames' checksums make the parts' wire checksums, so most are ready now.
                 await store.upload(bucket, key, packed)
-                tables[relative] = await checksums
+                tables[relative] = await loop.run_in_executor(None, packed.frame_table)
                 return
             entries: list[tuple[int, int, int]] = []
             await store.upload_stream(bucket, key, self._encoded(packed, entries))
@@ -330,7 +332,6 @@ class S3Writer(AtLocation, StorageWriter):
                         None,
                         packed.encode_frame,
                         number,
-                        options.frame_size,
                         options.compression_level,
                         options.shuffle,
                     )

@@ -94,12 +94,18 @@ class Payload(Protocol):
     @property
     def size(self) -> int: ...
 
-    def view(self, start: int, end: int) -> memoryview | None:
-        """Bytes ``[start, end)`` as a view of existing memory, if they are in one piece."""
+    def views(self, start: int, end: int) -> list[memoryview] | None:
+        """Bytes ``[start, end)`` as views of existing memory, in order, if they all are in CPU
+        memory (then they are sent as they are, never assembled)."""
         ...
 
     def read(self, start: int, end: int, scratch: memoryview) -> memoryview:
         """Bytes ``[start, end)``: a view of existing memory, or ``scratch`` filled with them."""
+        ...
+
+    def checksum(self, start: int, end: int) -> int:
+        """CRC32C of bytes ``[start, end)`` (called in a worker thread); a payload that keeps
+        checksums of its pieces combines them rather than reading the bytes again."""
         ...
 
 

@@ -15,12 +15,13 @@ import dataclasses
 import logging
 import math
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
 from ..config import ResolvedConfig, S3Config
 from ..errors import ObjectNotFound, StorageError
 from . import bridge, wire
+from .bodies import Body
 from .buffers import PartBuffers
 from .contract import ObjectStore, Payload
 from .downloads import Downloads
@@ -51,11 +52,31 @@ class S3Store(Downloads):
         if_none_match: bool = False,
         retry: RetryPolicy | None = None,
         on_failure: Callable[[StorageError], None] | None = None,
-        digest: dict[str, Any] | None = None,
     ) -> None:
-        """``digest`` carries the body's wire checksum; computed here when not given."""
-        if digest is None:
-            digest = wire.digest(body, await self.wire_mode(bucket, key))
+        mode = await self.wire_mode(bucket, key)
+        await self._put(
+            bucket,
+            key,
+            [body],
+            wire.digest([body], mode),
+            if_none_match=if_none_match,
+            retry=retry,
+            on_failure=on_failure,
+        )
+
+    async def _put(
+        self,
+        bucket: str,
+        key: str,
+        buffers: Sequence[bytes | bytearray | memoryview],
+        digest: dict[str, Any],
+        *,
+        if_none_match: bool = False,
+        retry: RetryPolicy | None = None,
+        on_failure: Callable[[StorageError], None] | None = None,
+    ) -> None:
+        """PutObject of ``buffers`` back to back; ``digest`` carries their wire checksum."""
+        body = Body(buffers)
         extra = {"IfNoneMatch": "*"} if if_none_match else {}
         await self._call(
             "put_object",
@@ -112,7 +133,7 @@ class S3Store(Downloads):
                 async with self._semaphore():
                     mode = await self.wire_mode(bucket, key)
                     async with self._bytes(payload, 0, payload.size, mode) as (body, digest):
-                        await self.put(bucket, key, body, digest=digest)
+                        await self._put(bucket, key, body, digest)
                 return
             upload_id, retried = await self._create_upload(bucket, key)
             try:
@@ -184,8 +205,8 @@ class S3Store(Downloads):
         try:
             mode = await self.wire_mode(bucket, key)
             loop = asyncio.get_running_loop()
-            digest = await loop.run_in_executor(None, wire.digest, body, mode)
-            return await self._put_part(bucket, key, upload_id, number, body, digest)
+            digest = await loop.run_in_executor(None, wire.digest, [body], mode)
+            return await self._put_part(bucket, key, upload_id, number, [body], digest)
         finally:
             self._semaphore().release()
 
@@ -195,10 +216,12 @@ class S3Store(Downloads):
         key: str,
         upload_id: str,
         number: int,
-        body: bytes | bytearray | memoryview,
+        buffers: Sequence[bytes | bytearray | memoryview],
         digest: dict[str, Any],
     ) -> dict[str, Any]:
-        """UploadPart, and the part's entry for CompleteMultipartUpload."""
+        """UploadPart of ``buffers`` back to back, and the part's entry for
+        CompleteMultipartUpload."""
+        body = Body(buffers)
         reply = await self._call(
             "upload_part",
             bucket,
@@ -218,12 +241,18 @@ class S3Store(Downloads):
     @contextlib.asynccontextmanager
     async def _bytes(
         self, payload: Payload, start: int, end: int, mode: str
-    ) -> AsyncIterator[tuple[memoryview, dict[str, Any]]]:
-        """A part's bytes and checksum; a buffer is borrowed only if the bytes must be assembled."""
-        view = payload.view(start, end)
-        if view is not None:
-            loop = asyncio.get_running_loop()
-            yield view, await loop.run_in_executor(None, wire.digest, view, mode)
+    ) -> AsyncIterator[tuple[Sequence[memoryview], dict[str, Any]]]:
+        """A part's bytes (as buffers sent back to back) and checksum; a buffer is borrowed only
+        if the bytes must be assembled (they are not all in CPU memory)."""
+        views = payload.views(start, end)
+        if views is not None:
+
+            def sign() -> dict[str, Any]:
+                if mode == "crc32c":
+                    return wire.crc32c_digest(payload.checksum(start, end))
+                return wire.digest(views, mode)
+
+            yield views, await asyncio.get_running_loop().run_in_executor(None, sign)
             return
         with self._parts.borrow(end - start) as scratch:
             yield await _produce(payload, start, end, scratch, mode)
@@ -303,12 +332,12 @@ class S3Store(Downloads):
 
 async def _produce(
     payload: Payload, start: int, end: int, scratch: memoryview, mode: str
-) -> tuple[memoryview, dict[str, Any]]:
+) -> tuple[Sequence[memoryview], dict[str, Any]]:
     """A part's bytes and their wire checksum, in a worker thread: it may copy megabytes (or
     come from an accelerator) and hash them."""
 
-    def produce() -> tuple[memoryview, dict[str, Any]]:
-        body = payload.read(start, end, scratch)
+    def produce() -> tuple[Sequence[memoryview], dict[str, Any]]:
+        body = [payload.read(start, end, scratch)]
         return body, wire.digest(body, mode)
 
     return await asyncio.get_running_loop().run_in_executor(None, produce)

@@ -12,28 +12,38 @@ from __future__ import annotations
 import base64
 import hashlib
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from ..checksums import checksum
 from ..errors import StorageError
 
-__all__ = ["MODES", "REFUSED", "digest", "probe"]
+__all__ = ["MODES", "REFUSED", "crc32c_digest", "digest", "probe"]
 
 MODES = ("auto", "crc32c", "md5", "off")
 _PROBE_BODY = b"s3ckpt checksum probe"
 REFUSED = frozenset({"BadDigest", "InvalidDigest", "XAmzContentChecksumMismatch", "InvalidRequest"})
 
 
-def digest(body: bytes | bytearray | memoryview, mode: str) -> dict[str, Any]:
-    """Request parameters that carry ``body``'s checksum in ``mode`` ("crc32c", "md5", "off")."""
+def digest(body: Sequence[bytes | bytearray | memoryview], mode: str) -> dict[str, Any]:
+    """Request parameters that carry the checksum, in ``mode`` ("crc32c", "md5", "off"), of
+    the body made of the buffers ``body``."""
     if mode == "crc32c":
-        value = checksum(body).to_bytes(4, "big")
-        return {"ChecksumCRC32C": base64.b64encode(value).decode()}
+        crc = 0
+        for buffer in body:
+            crc = checksum(buffer, crc)
+        return crc32c_digest(crc)
     if mode == "md5":
-        value = hashlib.md5(body, usedforsecurity=False).digest()
-        return {"ContentMD5": base64.b64encode(value).decode()}
+        md5 = hashlib.md5(usedforsecurity=False)
+        for buffer in body:
+            md5.update(buffer)
+        return {"ContentMD5": base64.b64encode(md5.digest()).decode()}
     return {}
+
+
+def crc32c_digest(crc: int) -> dict[str, Any]:
+    """Request parameters that carry the CRC32C ``crc`` of the body."""
+    return {"ChecksumCRC32C": base64.b64encode(crc.to_bytes(4, "big")).decode()}
 
 
 async def probe(

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..checksums import checksum
+from ..checksums import checksum, combine
 from . import frames
 from .frames import FrameTable
 from .tensorbytes import memory_of
@@ -36,11 +36,16 @@ def element_size(dtype: torch.dtype) -> int | None:
 
 
 class Packed:
-    """The items of one object, packed; ``starts``/``lengths`` locate each item's bytes."""
+    """The items of one object, packed; ``starts``/``lengths`` locate each item's bytes, and
+    every ``frame_size`` bytes are a frame with its own CRC32C."""
 
-    def __init__(self, values: list[torch.Tensor | bytes], elements: list[int | None]) -> None:
+    def __init__(
+        self, values: list[torch.Tensor | bytes], elements: list[int | None], frame_size: int
+    ) -> None:
         self._values = values
         self._elements = elements
+        self.frame_size = frame_size
+        self._crcs: dict[int, int] = {}
         self.lengths = [v.numel() if isinstance(v, torch.Tensor) else len(v) for v in values]
         self.starts: list[int] = []
         end = 0
@@ -65,6 +70,24 @@ class Packed:
     def view(self, start: int, end: int) -> memoryview | None:
         """Bytes ``[start, end)`` without a copy when they lie inside one item in CPU memory."""
         return self._sole_view(self._pieces(start, end), end - start)
+
+    def views(self, start: int, end: int) -> list[memoryview] | None:
+        """Bytes ``[start, end)`` as views of the items' memory and of zeros for the alignment
+        gaps, when every item in the range is in CPU memory."""
+        out: list[memoryview] = []
+        at = start
+        for i, lo, hi in self._pieces(start, end):
+            value = self._values[i]
+            if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+                return None
+            if self.starts[i] + lo > at:
+                out.append(memoryview(bytes(self.starts[i] + lo - at)))
+            memory = memoryview(value) if isinstance(value, bytes) else memory_of(value)
+            out.append(memory[lo:hi])
+            at = self.starts[i] + hi
+        if at < end:
+            out.append(memoryview(bytes(end - at)))
+        return out
 
     def _sole_view(self, pieces: list[tuple[int, int, int]], length: int) -> memoryview | None:
         if len(pieces) != 1 or pieces[0][2] - pieces[0][1] != length:
@@ -101,21 +124,50 @@ class Packed:
         sizes = {self._elements[i] for i, _, _ in self._pieces(start, end)}
         return sizes.pop() if len(sizes) == 1 else None
 
-    def frame_table(self, frame_size: int) -> FrameTable:
+    def frame_checksum(self, number: int) -> int:
+        """CRC32C of frame ``number``, computed once (worker threads: a race computes it twice,
+        harmlessly) for both the frame table and the parts' checksums on the wire."""
+        crc = self._crcs.get(number)
+        if crc is None:
+            start = number * self.frame_size
+            crc = self._crcs[number] = self._crc_of(start, min(start + self.frame_size, self.size))
+        return crc
+
+    def checksum(self, start: int, end: int) -> int:
+        """CRC32C of bytes ``[start, end)``, combined from the checksums of the whole frames
+        inside it, so that uploading a part does not read its bytes again."""
+        crc, at = 0, start
+        while at < end:
+            number = at // self.frame_size
+            frame_end = min((number + 1) * self.frame_size, self.size)
+            stop = min(frame_end, end)
+            whole = at == number * self.frame_size and stop == frame_end
+            piece = self.frame_checksum(number) if whole else self._crc_of(at, stop)
+            crc = combine(crc, piece, stop - at)
+            at = stop
+        return crc
+
+    def _crc_of(self, start: int, end: int) -> int:
+        views = self.views(start, end)
+        if views is None:
+            views = [self.read(start, end, memoryview(bytearray(end - start)))]
+        crc = 0
+        for view in views:
+            crc = checksum(view, crc)
+        return crc
+
+    def frame_table(self) -> FrameTable:
         """CRC32C of every frame of the bytes as they are (run in a worker thread)."""
-        scratch = memoryview(bytearray(min(frame_size, self.size)))
-        crcs = [
-            checksum(self.read(s, min(s + frame_size, self.size), scratch))
-            for s in range(0, self.size, frame_size)
-        ]
-        return FrameTable.raw(frame_size, crcs, self.size)
+        count = -(-self.size // self.frame_size)
+        crcs = [self.frame_checksum(number) for number in range(count)]
+        return FrameTable.raw(self.frame_size, crcs, self.size)
 
     def encode_frame(
-        self, number: int, frame_size: int, level: int, shuffle: bool
+        self, number: int, level: int, shuffle: bool
     ) -> tuple[bytes | memoryview, int, int]:
         """Frame ``number`` compressed: its stored bytes, codec and CRC32C (worker thread)."""
-        start = number * frame_size
-        end = min(start + frame_size, self.size)
+        start = number * self.frame_size
+        end = min(start + self.frame_size, self.size)
         raw = self.view(start, end)
         if raw is None:
             # Across items: assembled in a buffer of its own, which may come back as stored.

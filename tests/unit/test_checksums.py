@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from s3ckpt.checksums import Checksums, StreamCheck, checksum
+from s3ckpt.checksums import Checksums, StreamCheck, checksum, combine
 from s3ckpt.format.frames import FrameTable
 
 
@@ -73,3 +73,11 @@ def test_crc32c_of_nothing_and_continued_over_a_split() -> None:
     for k in (0, 1, 4321, len(DATA)):
         assert checksum(DATA) == checksum(DATA[k:], checksum(DATA[:k]))
     assert checksum(DATA[1:], checksum(DATA[:1])) != checksum(DATA[1:]), "the seed counts"
+
+
+@pytest.mark.parametrize("lengths", [(0, 0), (0, 7), (7, 0), (1, 1), (1000, 4096), (5 << 20, 3)])
+def test_combine_gives_the_checksum_of_the_concatenation(lengths: tuple[int, int]) -> None:
+    rng = random.Random(sum(lengths))
+    first, second = (rng.randbytes(n) for n in lengths)
+    combined = combine(checksum(first), checksum(second), len(second))
+    assert combined == checksum(first + second)
