@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.s3ckpt-installed
 
-.PHONY: venv test test-fast lint demo bench clean
+.PHONY: venv test test-fast lint demo bench smoke-wheel clean
 
 venv: $(STAMP)
 
@@ -39,6 +39,11 @@ demo: venv
 
 bench: venv
 	$(PY) -m benchmarks.bench_core
+
+# The packaging: the built wheel in a fresh venv drives the CLI from outside the checkout.
+smoke-wheel:
+	PYTHON="$(PYTHON)" TORCH_VERSION="$(TORCH_VERSION)" TORCH_PIP_ARGS="$(TORCH_PIP_ARGS)" \
+		.ci/smoke_wheel.sh
 
 # Leaves $(VENV) alone: rebuilding it takes minutes; delete it by hand to start over.
 clean:

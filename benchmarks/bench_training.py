@@ -8,8 +8,13 @@ bound everything). Modes run interleaved, repetitions of all modes in turn, medi
 - ``none``: the same steps without checkpoints (the baseline);
 - ``sync``: ``dcp.save`` with `S3Writer`;
 - ``thread`` / ``process``: ``dcp.async_save`` with `S3Writer`, THREAD or PROCESS checkpointer;
+- ``thread-nice``: THREAD with the storage layer's threads at nice 10 (a candidate: does a lower
+  scheduling priority for them give the trainer its core back?);
 - ``raw``: the floor: the same tensors copied into kept CPU buffers and uploaded by a plain
-  aiobotocore client from a background thread (no DCP, no checksums, no commit).
+  aiobotocore client from a background thread (no DCP, no checksums, no commit);
+- ``s3torchconnector`` / ``fsspec``: the peers' DCP writers (``S3StorageWriter``, torch's
+  ``FsspecWriter`` over s3fs) with ``dcp.async_save`` THREAD, where installed (the peers' venv,
+  `benchmarks/requirements-peers.txt`).
 
 Every checkpoint mode saves once before the timed loop (warm buffers and client, as in a long
 job), then checkpoints after steps N, 2N, ... and trains N more steps after the last one before
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import secrets
@@ -39,7 +45,10 @@ from s3ckpt.config import MiB, S3Config
 
 from .common import GB, RESULTS, ROOT, Endpoint, format_table, machine_info, median, s3_endpoint
 
-MODES = ("none", "sync", "thread", "process", "raw")
+MODES = (
+    "none", "sync", "thread", "thread-nice", "process", "raw", "s3torchconnector", "fsspec"
+)  # fmt: skip
+_PEER_PACKAGES = {"s3torchconnector": "s3torchconnector", "fsspec": "s3fs"}
 _KEY_ENV, _SECRET_ENV = "S3CKPT_BENCH_ACCESS_KEY", "S3CKPT_BENCH_SECRET_KEY"
 _LOST_GOAL = 0.05  # the sweep looks for the shortest interval losing less than this
 
@@ -52,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--interval", type=int, default=25, help="steps between checkpoints")
     p.add_argument("--checkpoints", type=int, default=4)
-    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--modes", nargs="+", choices=MODES, help="default: all, peers where installed")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--sweep", nargs="*", type=int, metavar="N", help="intervals for thread mode")
     p.add_argument("--trainer-core", type=int, default=0)
@@ -293,7 +302,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{ep.server}",
             flush=True,
         )
-        runs = _interleaved(args, ep, args.modes, args.interval)
+        modes = args.modes or [
+            m
+            for m in MODES
+            if m not in _PEER_PACKAGES or importlib.util.find_spec(_PEER_PACKAGES[m]) is not None
+        ]
+        runs = _interleaved(args, ep, modes, args.interval)
         summary = summarize(runs)
         sweep = _sweep(args, ep, args.sweep) if args.sweep else []
     print(table(summary, args.checkpoints))

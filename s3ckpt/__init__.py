@@ -3,11 +3,17 @@
 fut = dcp.async_save(state_dict, storage_writer=S3Writer("bucket", prefix="run7/step-1000"))
 S3Writer("bucket", prefix="run7/step-1000", options=WriteOptions(compression="zstd"))
 dcp.load(state_dict, storage_reader=S3Reader("bucket", prefix="run7/step-1000"))
+
+The writer and reader are imported on first use (PEP 562), because they import torch, which
+takes seconds: ``import s3ckpt`` and the CLI's light commands stay fast.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .config import S3Config, WriteOptions
-from .dcp.reader import S3Reader
-from .dcp.writer import S3Writer
 from .errors import (
     AccessDenied,
     BucketNotFound,
@@ -27,6 +33,10 @@ from .errors import (
     StorageError,
     UnsafeCheckpoint,
 )
+
+if TYPE_CHECKING:
+    from .dcp.reader import S3Reader
+    from .dcp.writer import S3Writer
 
 __all__ = [
     "AccessDenied",
@@ -53,3 +63,19 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+_LAZY = {"S3Reader": "s3ckpt.dcp.reader", "S3Writer": "s3ckpt.dcp.writer"}
+
+
+def __getattr__(name: str) -> Any:
+    """Imports the writer or reader (and so torch) when it is first asked for."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 's3ckpt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -28,9 +28,6 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import botocore.exceptions
-import botocore.session
-
 from .errors import ConfigError
 
 __all__ = ["MiB", "ResolvedConfig", "S3Config", "WriteOptions", "parse_s3_url"]
@@ -254,6 +251,9 @@ def _urls(endpoint: str | tuple[str, ...] | None) -> tuple[str, ...]:
 
 
 def _profile_settings(profile: str | None) -> dict[str, Any]:
+    import botocore.exceptions  # here: `s3ckpt --version` and `import s3ckpt` need no botocore
+    import botocore.session
+
     session = botocore.session.Session(profile=profile)
     try:
         return dict(session.get_scoped_config())

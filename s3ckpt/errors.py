@@ -49,6 +49,7 @@ __all__ = [
 
 
 _E = TypeVar("_E", bound="S3CkptError")
+_S = TypeVar("_S", bound="StorageError")
 
 
 class S3CkptError(Exception):
@@ -111,6 +112,19 @@ class StorageError(S3CkptError):
         self.operation = operation
         self.code = code
         self.status = status
+
+    def retyped(self, kind: type[_S], message: str) -> _S:
+        """This failure as the more specific ``kind`` with another message, its fields kept
+        for scripts."""
+        return kind(
+            message,
+            endpoint=self.endpoint,
+            bucket=self.bucket,
+            key=self.key,
+            operation=self.operation,
+            code=self.code,
+            status=self.status,
+        )
 
 
 class EndpointUnreachable(StorageError):

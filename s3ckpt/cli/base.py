@@ -2,25 +2,33 @@
 
 A subcommand is one function taking a `Session`, registered with `command` (its arguments
 declared with `arg`). Results go to stdout (JSON with ``--json``); prompts, progress and errors
-go to stderr, so pipes carry only results.
+go to stderr, so pipes carry only results. With ``--json`` an error is a JSON object on stdout
+instead (`fail`), so a script reads one answer from one place either way.
+
+Nothing here imports torch: ``s3ckpt --version`` and the commands that only list or delete
+objects start in a fraction of torch's import time.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import contextvars
 import dataclasses
 import json
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tqdm import tqdm
 
 from ..config import S3Config
-from ..tools.catalog import Progress, Removal
+from ..errors import CheckpointError, StorageError
+
+if TYPE_CHECKING:
+    from ..tools.catalog import Removal
 
 __all__ = [
     "COMMANDS",
@@ -29,15 +37,19 @@ __all__ = [
     "EXIT_OK",
     "EXIT_USAGE",
     "URL",
+    "Bar",
     "Session",
     "arg",
     "as_plain",
     "command",
+    "error_url",
+    "errors_as_json",
     "fail",
     "format_table",
     "human_size",
     "or_dash",
     "removed_text",
+    "reporting_json",
     "utc_text",
 ]
 
@@ -45,6 +57,14 @@ EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_NOT_FOUND = 0, 1, 2, 3
 
 Arg = tuple[tuple[str, ...], dict[str, Any]]
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+# What a failure is called in --json output when it is a message, not an exception.
+_KINDS = {
+    EXIT_ERROR: "Error",
+    EXIT_USAGE: "UsageError",
+    EXIT_NOT_FOUND: "NotFound",
+    130: "KeyboardInterrupt",
+}
+_json_errors = contextvars.ContextVar("s3ckpt_json_errors", default=False)
 
 
 def arg(*flags: str, **options: Any) -> Arg:
@@ -105,25 +125,82 @@ class Session:
         return sys.stdin.readline().strip().lower() in ("y", "yes")
 
     @contextlib.contextmanager
-    def progress(self, unit: str = "obj") -> Iterator[Progress | None]:
-        """A bar on stderr counting ``unit`` (objects, or bytes: "B"); none with --json or off a
-        terminal."""
+    def progress(self, unit: str = "obj", desc: str | None = None) -> Iterator[Bar | None]:
+        """A bar on stderr (titled ``desc``, default the command) counting ``unit`` (objects, or
+        bytes: "B"), with rate and ETA; none with --json or off a terminal, so that pipes and
+        logs get only results. Called with bytes as well, the bar counts bytes and shows the
+        objects beside it: bytes say how far a transfer got better than objects of any size."""
         if self.args.json or not sys.stderr.isatty():
             yield None
             return
-        scaled = {"unit_scale": True, "unit_divisor": 1024} if unit == "B" else {}
-        with tqdm(total=0, unit=unit, desc=self.args.command, file=sys.stderr, **scaled) as bar:
+        title = desc or self.args.command
+        with tqdm(total=0, unit=unit, desc=title, file=sys.stderr, **_scaled(unit)) as bar:
 
-            def update(done: int, total: int) -> None:
+            def update(
+                done: int, total: int, done_bytes: int | None = None, total_bytes: int | None = None
+            ) -> None:
+                if done_bytes is not None and total_bytes is not None:
+                    if bar.unit != "B":
+                        bar.unit, bar.unit_scale, bar.unit_divisor = "B", True, 1024
+                    bar.set_postfix_str(f"{done}/{total} {unit}", refresh=False)
+                    done, total = done_bytes, total_bytes
                 bar.total = total
                 bar.update(done - bar.n)
 
             yield update
 
 
-def fail(error: Exception | str, code: int) -> int:
-    print(f"s3ckpt: error: {error}", file=sys.stderr)
+class Bar(Protocol):
+    """What `Session.progress` yields: ``bar(done, total)`` in its unit, or ``bar(done, total,
+    done_bytes, total_bytes)``. It is also a `tools.catalog.Progress`, for the tools' callbacks."""
+
+    def __call__(
+        self, done: int, total: int, done_bytes: int | None = None, total_bytes: int | None = None
+    ) -> None: ...
+
+
+def _scaled(unit: str) -> dict[str, Any]:
+    return {"unit_scale": True, "unit_divisor": 1024} if unit == "B" else {}
+
+
+@contextlib.contextmanager
+def errors_as_json(on: bool) -> Iterator[None]:
+    """While it is open, `fail` reports as JSON on stdout (``--json``), not on stderr. A context
+    variable rather than an argument, so that every command's `fail` calls follow it."""
+    token = _json_errors.set(on)
+    try:
+        yield
+    finally:
+        _json_errors.reset(token)
+
+
+def reporting_json() -> bool:
+    """Whether `fail` reports as JSON now (inside ``errors_as_json(True)``)."""
+    return _json_errors.get()
+
+
+def fail(error: Exception | str, code: int, *, url: str | None = None) -> int:
+    """Report a failure and return ``code``: ``s3ckpt: error: ...`` on stderr, or with --json
+    ``{"error": type, "message": ..., "url": ...}`` on stdout (``url`` defaults to what
+    ``error`` knows: `error_url`)."""
+    if not _json_errors.get():
+        print(f"s3ckpt: error: {error}", file=sys.stderr)
+        return code
+    if isinstance(error, Exception):
+        kind, url = type(error).__name__, url or error_url(error)
+    else:
+        kind = _KINDS.get(code, "Error")
+    print(json.dumps({"error": kind, "message": str(error), "url": url}, indent=2))
     return code
+
+
+def error_url(error: Exception) -> str | None:
+    """The ``s3://`` URL of the checkpoint, object or bucket an error is about, if it says."""
+    if isinstance(error, CheckpointError) and error.url is not None:
+        return error.url
+    if isinstance(error, StorageError) and error.bucket:
+        return f"s3://{error.bucket}/{error.key}" if error.key else f"s3://{error.bucket}"
+    return None
 
 
 def _json_default(value: Any) -> Any:
@@ -154,8 +231,10 @@ def human_size(count: int) -> str:
 
 
 def removed_text(removal: Removal) -> str:
-    freed = human_size(removal.bytes_freed)
-    return f"{len(removal.deleted)} objects ({freed}), {len(removal.aborted)} uploads"
+    """Objects and uploads with their bytes: a killed save's uploads hold its bytes in parts."""
+    freed = human_size(removal.bytes_freed - removal.upload_bytes)
+    uploads = f" ({human_size(removal.upload_bytes)})" if removal.aborted else ""
+    return f"{len(removal.deleted)} objects ({freed}), {len(removal.aborted)} uploads{uploads}"
 
 
 def format_table(header: list[str], rows: list[list[str]], right: set[int]) -> str:

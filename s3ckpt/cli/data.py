@@ -1,33 +1,36 @@
-"""Subcommands that move bytes: ``export`` to a local file, ``verify`` checksums, ``bench``."""
+"""Subcommands that move bytes: ``export`` to a local file, ``verify`` checksums, ``bench``.
+
+Each imports what moves the bytes (the engine, the read runner, torch) when it runs, not when it
+is registered: registering every command is part of ``s3ckpt --version`` and ``s3ckpt ls``.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import os
 import secrets
 import sys
 import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..checksums import checksum
 from ..config import MiB, parse_s3_url
-from ..dcp.reads import run_all
-from ..engine import bridge
-from ..engine.contract import ObjectStore
-from ..engine.store import get_store
 from ..errors import S3CkptError
-from ..format.readplan import Fetch, Target
-from ..tools import catalog
-from ..tools.verify import verify
-from .base import EXIT_OK, URL, Session, arg, command, human_size
+from .base import EXIT_OK, URL, Bar, Session, arg, command, human_size
+
+if TYPE_CHECKING:
+    from ..engine.contract import ObjectStore, Stats
+    from ..format.readplan import Fetch
 
 _MB = 1e6  # throughput in decimal MB/s, as storage vendors quote it
+_TICK_S = 0.2  # how often the upload bar reads the bytes sent so far
+Bars = Callable[[str, str], contextlib.AbstractContextManager[Bar | None]]
 
 
 @command(
@@ -43,6 +46,10 @@ _MB = 1e6  # throughput in decimal MB/s, as storage vendors quote it
     ),
 )
 def _export(session: Session) -> int:
+    import torch
+
+    from ..tools import catalog
+
     url, out = session.args.url, session.args.out
     print(f"export: reading {url}", file=sys.stderr)
     started = time.perf_counter()
@@ -71,7 +78,10 @@ def _export(session: Session) -> int:
     URL,
 )
 def _verify(session: Session) -> int:
-    report = verify(session.args.url, session.config)
+    from ..tools.verify import verify
+
+    with session.progress("objects") as progress:
+        report = verify(session.args.url, session.config, progress=progress)
     text = (
         f"ok: {report.url}: {report.frames} frames in {report.objects} objects, "
         f"{human_size(report.bytes)} read and checked"
@@ -106,6 +116,9 @@ def _mib(text: str) -> int:
     arg("--size", type=_mib, default=256, metavar="MIB", help="object size (default: 256 MiB)"),
 )
 def _bench(session: Session) -> int:
+    from ..engine import bridge
+    from ..engine.store import get_store
+
     config, size = session.config, session.args.size * MiB
     store = get_store(config)
     token = secrets.token_hex(6)
@@ -117,7 +130,7 @@ def _bench(session: Session) -> int:
     where = f"s3://{bucket}/{key} at {store.endpoint}"
     print(f"bench: writing {human_size(size)} to {where}, then reading it back", file=sys.stderr)
     payload = _Random(os.urandom(size))
-    result = bridge.run(_measure(store, bucket, key, payload, temporary))
+    result = bridge.run(_measure(store, bucket, key, payload, temporary, session.progress))
     settings = {
         "endpoint": store.endpoint,
         "part_size": config.part_size,
@@ -162,32 +175,79 @@ class _Random:
 
 
 async def _measure(
-    store: ObjectStore, bucket: str, key: str, payload: _Random, temporary: bool
+    store: ObjectStore, bucket: str, key: str, payload: _Random, temporary: bool, bars: Bars
 ) -> dict[str, dict[str, float]]:
-    """Upload, then read back with one ranged GET per part (as loads do), checking the bytes.
-    The object, and a temporary bucket, are deleted whatever happens."""
+    """Upload, then read back with one ranged GET per part (as loads do), checking the bytes;
+    ``bars(unit, title)`` shows each phase's progress. The object, and a temporary bucket, are
+    deleted whatever happens."""
+    from ..dcp.reads import run_all
+    from ..format.readplan import Fetch, Target
+
+    step = store.config.part_size
+    ranges = [(at, min(at + step, payload.size)) for at in range(0, payload.size, step)]
+    parts = len(ranges) if payload.size > store.config.multipart_threshold else 1
     if temporary:
         await store.create_bucket(bucket)
     try:
-        started = time.perf_counter()
-        await store.upload(bucket, key, payload)
-        upload_s = time.perf_counter() - started
+        with bars("parts", "bench: upload") as bar:
+            started = time.perf_counter()
+            await _watched(
+                store.upload(bucket, key, payload), store.stats, payload.size, parts, bar
+            )
+            upload_s = time.perf_counter() - started
         sink = memoryview(bytearray(payload.size))
-        step = store.config.part_size
-        ranges = [(at, min(at + step, payload.size)) for at in range(0, payload.size, step)]
         plan = [Fetch(key, s, e, [Target(0, key, s, e, sink=sink[s:e])]) for s, e in ranges]
-        started = time.perf_counter()
-        await run_all(store, bucket, plan, {})
-        download_s = time.perf_counter() - started
+        with bars("GETs", "bench: download") as bar:
+            started = time.perf_counter()
+            await run_all(store, bucket, plan, {}, _counter(len(plan), payload.size, bar))
+            download_s = time.perf_counter() - started
         if sink != payload.data:
             raise S3CkptError(f"s3://{bucket}/{key}: the bytes read back differ from those sent")
     finally:
         await asyncio.shield(_clean_up(store, bucket, key, temporary))
-    parts = len(ranges) if payload.size > store.config.multipart_threshold else 1
     return {
         "upload": _phase(payload.size, upload_s, parts),
         "download": _phase(payload.size, download_s, len(ranges)),
     }
+
+
+async def _watched(
+    upload: Coroutine[Any, Any, None], stats: Stats, size: int, parts: int, bar: Bar | None
+) -> None:
+    """Run ``upload`` of ``size`` bytes in ``parts``, showing the bytes acknowledged so far on
+    ``bar``: the store reports nothing until the whole object is up, so its byte counter is read
+    every tick (the parts done are estimated from it)."""
+    if bar is None:
+        await upload
+        return
+    base = stats.bytes_sent
+
+    async def tick() -> None:
+        while True:
+            sent = stats.bytes_sent - base
+            bar(sent * parts // size, parts, sent, size)
+            await asyncio.sleep(_TICK_S)
+
+    ticker = asyncio.ensure_future(tick())
+    try:
+        await upload
+    finally:
+        ticker.cancel()
+    bar(parts, parts, size, size)
+
+
+def _counter(fetches: int, size: int, bar: Bar | None) -> Callable[[Fetch], None] | None:
+    """``run_all``'s ``done`` callback counting GETs and bytes into ``bar``."""
+    if bar is None:
+        return None
+    done = [0, 0]
+
+    def count(fetch: Fetch) -> None:
+        done[0] += 1
+        done[1] += fetch.end - fetch.start
+        bar(done[0], fetches, done[1], size)
+
+    return count
 
 
 def _phase(size: int, seconds: float, requests: int) -> dict[str, float]:

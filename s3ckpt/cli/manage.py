@@ -1,19 +1,19 @@
-"""The subcommands that find, inspect and clean up checkpoints (see `s3ckpt.tools.catalog`)."""
+"""The subcommands that find, inspect and clean up checkpoints (see `s3ckpt.tools.catalog`).
+
+None of them imports torch (records are read into the format's own model), and each imports the
+catalog, and with it the engine, when it runs: registering them is part of ``s3ckpt --version``.
+"""
 
 from __future__ import annotations
 
 import argparse
-import math
 import re
 import sys
 from datetime import timedelta
-from typing import Any
-
-from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+from typing import TYPE_CHECKING, Any
 
 from ..format import layout
-from ..tools import catalog
-from ..tools.catalog import CheckpointInfo, GcReport, Removal
+from ..format.record import TensorEntry
 from .base import (
     EXIT_ERROR,
     EXIT_NOT_FOUND,
@@ -31,38 +31,83 @@ from .base import (
     utc_text,
 )
 
+if TYPE_CHECKING:
+    from ..tools.catalog import CheckpointInfo, GcReport, Removal
+
 _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
-@command("ls", "list the checkpoints at URL and directly under it", URL)
+@command(
+    "ls",
+    "list the checkpoints at URL and at every depth below it, as a tree (one LIST request per "
+    "1000 keys under URL, then one GET per checkpoint)",
+    URL,
+)
 def _ls(session: Session) -> int:
-    infos = catalog.list_checkpoints(session.args.url, session.config)
-    rows = [
-        [
-            i.prefix or "/",
-            _status(i),
-            or_dash(i.step),
-            human_size(i.total_bytes),
-            str(i.num_objects),
-            utc_text(i.created),
-        ]
-        for i in infos
-    ]
-    header = ["PREFIX", "STATUS", "STEP", "SIZE", "OBJECTS", "CREATED (UTC)"]
-    session.emit([as_plain(i) for i in infos], format_table(header, rows, right={2, 3, 4}))
+    from ..tools import catalog
+
+    url = session.args.url
+    infos = catalog.list_checkpoints(url, session.config)
+    header = ["PREFIX", "STEP", "COMMITTED (UTC)", "SIZE", "OBJECTS", "COMPRESSION", "STATE"]
+    rows = _tree(layout.Location.of(url).prefix, infos)
+    session.emit([as_plain(i) for i in infos], format_table(header, rows, right={1, 3, 4}))
     if not infos and not session.args.json:
-        print(f"no checkpoints at or under {session.args.url}", file=sys.stderr)
+        print(f"no checkpoints at or under {url}", file=sys.stderr)
     return EXIT_OK
 
 
-def _status(info: CheckpointInfo) -> str:
-    if info.unreadable is not None:
-        return "unreadable"
-    return "committed" if info.committed else "incomplete"
+def _tree(base: str, infos: list[CheckpointInfo]) -> list[list[str]]:
+    """One row per checkpoint, named by its last component and indented by its depth below
+    ``base``, under a row for each prefix between them (``infos`` are in tree order)."""
+    rows: list[list[str]] = []
+    shown: set[str] = set()
+    for info in infos:
+        relative = info.prefix[len(base) :].strip("/") if base else info.prefix
+        parts = relative.split("/") if relative else []
+        for depth in range(len(parts) - 1):
+            group = "/".join(parts[: depth + 1])
+            if group not in shown:
+                shown.add(group)
+                rows.append(["  " * depth + parts[depth] + "/"] + [""] * 6)
+        shown.add(relative)
+        name = parts[-1] if parts else base.rpartition("/")[2] or "/"
+        rows.append(
+            [
+                "  " * max(len(parts) - 1, 0) + name,
+                or_dash(info.step),
+                utc_text(info.created) if info.committed else "-",
+                human_size(info.total_bytes),
+                f"{info.num_objects} + {info.uploads} uploads"
+                if info.uploads
+                else str(info.num_objects),
+                _compression(info, short=True),
+                info.state,
+            ]
+        )
+    return rows
 
 
-@command("latest", "print the newest committed checkpoint (highest step) under URL", URL)
+def _compression(info: CheckpointInfo, *, short: bool = False) -> str:
+    """The codec and level; "none" when the record says so, "-" when it does not say (records
+    from before writers recorded it, and checkpoints without a readable record)."""
+    if info.compression is None:
+        return "none" if info.torch_version is not None else "-"
+    if info.compression_level is None:
+        return info.compression
+    if short:
+        return f"{info.compression}:{info.compression_level}"
+    return f"{info.compression} (level {info.compression_level})"
+
+
+@command(
+    "latest",
+    "print the committed checkpoint with the highest step at or below URL, at any depth (one "
+    "LIST request per 1000 keys under URL)",
+    URL,
+)
 def _latest(session: Session) -> int:
+    from ..tools import catalog
+
     info = catalog.latest(session.args.url, session.config)
     if info is None:
         return fail(f"no committed checkpoint at or under {session.args.url}", EXIT_NOT_FOUND)
@@ -70,18 +115,22 @@ def _latest(session: Session) -> int:
     return EXIT_OK
 
 
-@command("info", "show a committed checkpoint: tensors, objects per rank, totals", URL)
+@command(
+    "info",
+    "show a committed checkpoint: how it was saved, its tensors, objects per rank, totals",
+    URL,
+)
 def _info(session: Session) -> int:
+    from ..tools import catalog
+
     info, checkpoint = catalog.describe(session.args.url, session.config)
     items: list[dict[str, Any]] = []
-    for fqn, entry in checkpoint.metadata.state_dict_metadata.items():
-        if isinstance(entry, TensorStorageMetadata):
-            dtype, shape = str(entry.properties.dtype).removeprefix("torch."), list(entry.size)
-            size = math.prod(shape) * entry.properties.dtype.itemsize
-            items.append({"name": fqn, "dtype": dtype, "shape": shape, "bytes": size})
+    for fqn, entry in checkpoint.entries.items():
+        if isinstance(entry, TensorEntry):
+            item = {"name": fqn, "dtype": entry.dtype, "shape": entry.size, "bytes": entry.nbytes}
         else:
-            size = checkpoint.locators[MetadataIndex(fqn)].length
-            items.append({"name": fqn, "dtype": "bytes", "shape": None, "bytes": size})
+            item = {"name": fqn, "dtype": "bytes", "shape": None, "bytes": entry.locator.length}
+        items.append(item)
     ranks: dict[int | None, dict[str, Any]] = {}
     for key, size in sorted(checkpoint.objects.items()):
         rank = layout.rank_of(key)
@@ -89,26 +138,39 @@ def _info(session: Session) -> int:
         counts["objects"] += 1
         counts["bytes"] += size
     by_rank = sorted(ranks.values(), key=lambda r: (r["rank"] is None, r["rank"] or 0))
-    summary = [
-        ("checkpoint", info.url),
-        ("step", or_dash(info.step)),
-        ("save id", or_dash(info.save_id)),
-        ("world size", or_dash(info.world_size)),
-        ("created", f"{utc_text(info.created)} UTC"),
-        ("compression", or_dash(info.compression)),
-        ("total", f"{human_size(info.total_bytes)} in {info.num_objects} objects (with .metadata)"),
-    ]
     tensors = [[i["name"], i["dtype"], or_dash(i["shape"]), human_size(i["bytes"])] for i in items]
     per_rank = [[or_dash(r["rank"]), str(r["objects"]), human_size(r["bytes"])] for r in by_rank]
     text = "\n\n".join(
         [
-            "\n".join(f"{name + ':':<12} {value}" for name, value in summary),
+            "\n".join(f"{name + ':':<12} {value}" for name, value in _summary(info)),
             format_table(["ITEM", "DTYPE", "SHAPE", "SIZE"], tensors, right={3}),
             format_table(["RANK", "OBJECTS", "SIZE"], per_rank, right={0, 1, 2}),
         ]
     )
     session.emit({"checkpoint": as_plain(info), "items": items, "ranks": by_rank}, text)
     return EXIT_OK
+
+
+def _summary(info: CheckpointInfo) -> list[tuple[str, str]]:
+    stored, logical = info.stored_bytes, info.logical_bytes
+    ratio = f" ({stored / logical:.0%} of logical)" if logical else ""
+    frames = None if info.frame_size is None else human_size(info.frame_size)
+    return [
+        ("checkpoint", info.url),
+        ("state", info.state),
+        ("step", or_dash(info.step)),
+        ("save id", or_dash(info.save_id)),
+        ("created", f"{utc_text(info.created)} UTC"),
+        ("world size", f"{or_dash(info.world_size)} (ranks)"),
+        ("tensors", or_dash(info.tensors)),
+        ("logical", or_dash(None if logical is None else human_size(logical))),
+        ("stored", f"{human_size(stored)}{ratio}"),
+        ("compression", _compression(info)),
+        ("frame size", or_dash(frames)),
+        ("s3ckpt", or_dash(info.s3ckpt_version)),
+        ("torch", or_dash(info.torch_version)),
+        ("total", f"{human_size(info.total_bytes)} in {info.num_objects} objects (with .metadata)"),
+    ]
 
 
 def _always(_: argparse.Namespace) -> bool:
@@ -119,6 +181,8 @@ def _always(_: argparse.Namespace) -> bool:
     "rm", "delete the checkpoint at URL (.metadata first, then its data)", URL, destructive=_always
 )
 def _rm(session: Session) -> int:
+    from ..tools import catalog
+
     url, declined = session.args.url, False
 
     def ask(plan: Removal) -> bool:
@@ -149,6 +213,8 @@ def _at_least_one(text: str) -> int:
     destructive=_always,
 )
 def _prune(session: Session) -> int:
+    from ..tools import catalog
+
     args, declined = session.args, False
 
     def ask(victims: list[CheckpointInfo]) -> bool:
@@ -196,6 +262,8 @@ def _duration(text: str) -> timedelta:
     destructive=lambda args: not args.dry_run,
 )
 def _gc(session: Session) -> int:
+    from ..tools import catalog
+
     args, declined = session.args, False
 
     def ask(plan: GcReport) -> bool:

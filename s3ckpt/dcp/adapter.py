@@ -12,6 +12,7 @@ import torch.futures
 from ..config import S3Config
 from ..engine.contract import ObjectStore
 from ..engine.store import get_store
+from ..errors import ConfigError
 from ..format.layout import Location
 
 __all__ = ["AtLocation", "to_torch_future"]
@@ -41,9 +42,23 @@ class AtLocation:
         return isinstance(checkpoint_id, str) and checkpoint_id.startswith("s3://")
 
     def _move(self, checkpoint_id: str | Any) -> None:
-        """DCP's ``checkpoint_id``: an ``s3://`` URL, or a prefix in the same bucket."""
-        if checkpoint_id is not None:
-            self.location = self.location.moved_to(str(checkpoint_id))
+        """DCP's ``checkpoint_id``: an ``s3://`` URL, or a prefix in the same bucket.
+
+        A URL in another bucket is refused rather than followed: the adapter's bucket is what
+        its caller chose (and may have created or granted access to), so a typo in an id must
+        not silently send a save, or a load, somewhere else.
+        """
+        if checkpoint_id is None:
+            return
+        moved = self.location.moved_to(str(checkpoint_id))
+        if moved.bucket != self.location.bucket:
+            name = type(self).__name__
+            raise ConfigError(
+                f"checkpoint_id {str(checkpoint_id)!r} is in bucket {moved.bucket!r}, but this "
+                f"{name} is for bucket {self.location.bucket!r}: a checkpoint_id may change the "
+                f"prefix, not the bucket; use {name}({moved.bucket!r}) for that bucket"
+            )
+        self.location = moved
 
     @property
     def _store(self) -> ObjectStore:

@@ -1,14 +1,19 @@
 """What a prefix holds: a committed checkpoint, an incomplete one, nothing, or an unreadable
 record. The one reader of commit records: loads, verify, the catalog, gc and the commit's
 read-back all go through `read_prefix`, so they agree on what each state means.
+
+A prefix that holds nothing is often a run's prefix (``run7`` for ``run7/step-000300``): then
+`read_prefix` looks one level down, so that the error names the run's latest checkpoint.
 """
 
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass
 from datetime import datetime
 
+from ..engine.bridge import gather_or_cancel
 from ..engine.contract import ObjectStore, StoredObject, Upload
 from ..engine.retry import RetryPolicy
 from ..errors import CheckpointNotFound, IncompleteCheckpoint, MetadataError, ObjectNotFound
@@ -16,7 +21,19 @@ from ..format import layout
 from ..format.layout import Location
 from ..format.record import Checkpoint, check_record_size, decode
 
-__all__ = ["AtPrefix", "State", "read_prefix", "read_record", "saves"]
+__all__ = ["AtPrefix", "State", "read_prefix", "read_record", "saves", "step_of"]
+
+# The last path component ends in the step: "step-000100", "global_step1000", "ckpt_42", "7".
+_STEP = re.compile(r"(\d+)$")
+# Child prefixes whose ``.metadata`` a prefix holding nothing checks (one HEAD each, the highest
+# steps first): enough to name a run's latest checkpoint, bounded for a run of thousands.
+_MAX_BELOW = 128
+
+
+def step_of(prefix: str) -> int | None:
+    """The step a checkpoint's prefix names: the number its last component ends in."""
+    match = _STEP.search(prefix.rpartition("/")[2])
+    return int(match.group(1)) if match else None
 
 
 class State(enum.Enum):
@@ -38,6 +55,8 @@ class AtPrefix:
     error: MetadataError | None = None  # UNREADABLE: why
     data: tuple[StoredObject, ...] = ()  # INCOMPLETE: the data objects (and leases) of saves
     uploads: tuple[Upload, ...] = ()  # INCOMPLETE without data objects: uploads of saves
+    below: tuple[Location, ...] = ()  # NOTHING: committed checkpoints one level down, latest first
+    children: int = 0  # NOTHING: child prefixes one level down (at most _MAX_BELOW checked)
 
     def require(self) -> Checkpoint:
         """The committed checkpoint, or the error that says why there is none."""
@@ -54,9 +73,22 @@ class AtPrefix:
                 "or is running",
                 url=location.url,
             )
+        if self.below:
+            count = len(self.below)
+            counted = f"{count} checkpoint{'s' if count > 1 else ''}"
+            if self.children > _MAX_BELOW:
+                counted = (
+                    f"at least {counted} (in the {_MAX_BELOW} highest-numbered of its "
+                    f"{self.children} child prefixes)"
+                )
+            raise CheckpointNotFound(
+                f"{location.url} is a run with {counted}, not a checkpoint; the latest is "
+                f"{self.below[0].url} (`s3ckpt ls {location.url}` lists them)",
+                url=location.url,
+            )
         raise CheckpointNotFound(
             f"no checkpoint at {location.url}: nothing is stored at this prefix (no .metadata, "
-            "no data objects of a save)",
+            "no data objects of a save) nor directly below it",
             url=location.url,
         )
 
@@ -79,9 +111,11 @@ async def read_record(
     return blob.data, blob.etag
 
 
-async def read_prefix(store: ObjectStore, location: Location) -> AtPrefix:
+async def read_prefix(store: ObjectStore, location: Location, *, below: bool = True) -> AtPrefix:
     """One GET of ``.metadata``; without one, a listing of data objects (and of uploads if
-    there are none)."""
+    there are none); if there are none either and ``below``, a listing of the child prefixes and
+    a HEAD of the ``.metadata`` of each (at most `_MAX_BELOW`, the highest steps first), for
+    `AtPrefix.require`'s error. Tools that walk a listing of prefixes pass ``below=False``."""
     try:
         found = await read_record(store, location)
     except MetadataError as e:
@@ -99,7 +133,30 @@ async def read_prefix(store: ObjectStore, location: Location) -> AtPrefix:
     uploads = tuple(await store.list_uploads(location.bucket, location.key("data-")))
     if uploads:
         return AtPrefix(location, State.INCOMPLETE, uploads=uploads)
-    return AtPrefix(location, State.NOTHING)
+    if not below:
+        return AtPrefix(location, State.NOTHING)
+    committed, children = await _committed_below(store, location)
+    return AtPrefix(location, State.NOTHING, below=committed, children=children)
+
+
+async def _committed_below(
+    store: ObjectStore, location: Location
+) -> tuple[tuple[Location, ...], int]:
+    """The committed checkpoints directly below ``location`` (of the `_MAX_BELOW` children
+    with the highest steps), latest first, and how many children there are."""
+    listing = await store.list_objects(location.bucket, location.listing_prefix, delimiter=True)
+    start = len(location.listing_prefix)
+    names = [p[start:].rstrip("/") for p in listing.prefixes]
+    children = [
+        Location(location.bucket, location.key(name))
+        for name in names
+        if name and not name.startswith("data-")
+    ]
+    children.sort(key=lambda c: (step_of(c.prefix) is not None, step_of(c.prefix) or 0))
+    checked = children[::-1][:_MAX_BELOW]
+    heads = await gather_or_cancel(store.head(c.bucket, c.metadata_key) for c in checked)
+    found = [c for c, head in zip(checked, heads, strict=True) if head is not None]
+    return tuple(found), len(children)
 
 
 async def saves(

@@ -58,6 +58,22 @@ class S3Reader(AtLocation, StorageReader):
             torch's ``weights_only`` unpickler (plain containers, numbers, strings, tensors and
             types registered with ``torch.serialization.add_safe_globals`` pass) and anything it
             refuses raises `UnsafeCheckpoint`. Set it only for checkpoints whose writers you trust.
+
+    To handle a missing or broken checkpoint, call `check` first: it raises s3ckpt's typed
+    error before DCP is involved::
+
+        reader = S3Reader("my-bucket", "run7/step-1000")
+        try:
+            reader.check()
+        except (CheckpointNotFound, IncompleteCheckpoint):
+            ...  # start from scratch, or try an older step
+        dcp.load(state_dict, storage_reader=reader)
+
+    Without it, ``dcp.load`` raises DCP's ``CheckpointException``, a ``BaseException`` that
+    ``except Exception`` does not catch, after logging "Global metadata is not found". Its
+    ``failures`` maps each failed rank to ``(error, traceback)``: s3ckpt's typed error for a
+    failed data read, but an ``AssertionError`` carrying only s3ckpt's message for a failed
+    metadata read (torch 2.13).
     """
 
     def __init__(
@@ -81,6 +97,15 @@ class S3Reader(AtLocation, StorageReader):
     def reset(self, checkpoint_id: str | Any = None) -> None:
         self._move(checkpoint_id)
         self.checkpoint = None
+
+    def check(self) -> None:
+        """Raise the typed error (`CheckpointNotFound`, `IncompleteCheckpoint`, `MetadataError`,
+        `BucketNotFound`, `AccessDenied`, ...) unless a committed, readable checkpoint is at
+        `checkpoint_id`: ``dcp.load`` would turn it into an ``AssertionError`` inside a
+        ``CheckpointException``. One GET of ``.metadata`` (a listing when there is none), which
+        ``dcp.load`` repeats: a checkpoint replaced in between is loaded as it is then.
+        """
+        bridge.run(self._read_checkpoint())
 
     def read_metadata(self) -> Metadata:
         # No **kwargs: DCP would then call this a second time for "rank-local" metadata, which

@@ -236,10 +236,29 @@ class S3Writer(AtLocation, StorageWriter):
             created=time.time(),
             objects={key: table.size for key, table in frames.items()},
             frames=frames,
-            extra={"world_size": len(results)},
+            extra=self._recorded(len(results)),
         )
         objects = {self.location.key(key): table.size for key, table in frames.items()}
         bridge.run(self._commit(record, objects, self._save_id))
+
+    def _recorded(self, world_size: int) -> dict[str, Any]:
+        """The record's ``extra``: what `s3ckpt info` shows and the rest of the record does not
+        say (see `s3ckpt.format.record`)."""
+        from importlib import metadata
+
+        try:
+            version: str | None = metadata.version("s3ckpt")
+        except metadata.PackageNotFoundError:  # run from a source tree, not installed
+            version = None
+        compressed = self.options.compression is not None
+        return {
+            "world_size": world_size,
+            "compression": self.options.compression,
+            "compression_level": self.options.compression_level if compressed else None,
+            "shuffle": self.options.shuffle if compressed else None,
+            "s3ckpt_version": version,
+            "torch_version": str(torch.__version__),
+        }
 
     async def _check_destination(self) -> None:
         """Fail before any upload if the bucket is missing or a commit would be refused."""

@@ -136,10 +136,9 @@ class Calls:
                         self._down_until = clock() + policy.deadline
                     raise error from e
                 delay = policy.delay(number, elapsed)
-                # A window holds tens of attempts: the first failure says at WARNING that (and for
-                # how long) s3ckpt keeps trying; the rest go to INFO, not to bury other output.
-                log.log(
-                    logging.WARNING if number == 1 else logging.INFO,
+                # INFO, not WARNING: a window holds tens of attempts, and a store that stays down
+                # ends in one error that says so; the CLI shows these only with -v.
+                log.info(
                     "%s; attempt %d failed, retrying in %.2f s (for up to %g s)",
                     error,
                     number,

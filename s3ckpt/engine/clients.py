@@ -128,7 +128,10 @@ def map_error(
             f"{operation} {where} at {endpoint} failed: {code or 'HTTP ' + str(status)} ({detail})"
         )
         if code == "NoSuchBucket" or (status == 404 and key is None):
-            missing = f"bucket {bucket!r} does not exist at {endpoint} ({operation} {where})"
+            missing = (
+                f"bucket {bucket!r} does not exist at {endpoint} ({operation} {where}); "
+                f"create it with `s3ckpt mb s3://{bucket}` (or your storage's console)"
+            )
             return typed(BucketNotFound, missing, code, status)
         if code in ("NoSuchKey", "NotFound") or (status == 404 and key is not None):
             return typed(ObjectNotFound, message, code, status)

@@ -17,11 +17,13 @@ import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..checksums import Checksums
+
+if TYPE_CHECKING:
+    # At run time torch is imported where a shuffle needs it: the tools read frames without it.
+    import torch
 
 __all__ = [
     "RAW",
@@ -81,6 +83,8 @@ def decode(
 # ran at 0.9-1.8 GB/s there.
 def shuffle(raw: bytes | memoryview, itemsize: int, out: memoryview | None = None) -> memoryview:
     """The byte planes of ``raw``'s elements, least significant first."""
+    import torch
+
     out = memoryview(bytearray(len(raw))) if out is None else out
     elements = _bytes_of(raw).view(-1, itemsize)
     planes = torch.frombuffer(out, dtype=torch.uint8).view(itemsize, -1)
@@ -93,6 +97,8 @@ def unshuffle(
     data: bytes | bytearray | memoryview, itemsize: int, out: memoryview | None = None
 ) -> memoryview:
     """The elements back from their byte planes."""
+    import torch
+
     out = memoryview(bytearray(len(data))) if out is None else out
     planes = _bytes_of(data).view(itemsize, -1)
     elements = torch.frombuffer(out, dtype=torch.uint8).view(-1, itemsize)
@@ -111,6 +117,8 @@ def _scratch(size: int) -> memoryview:
 
 def _bytes_of(data: bytes | bytearray | memoryview) -> torch.Tensor:
     """A uint8 tensor over ``data`` without a copy; only ever read from."""
+    import torch
+
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "The given buffer is not writable")
         return torch.frombuffer(data, dtype=torch.uint8)

@@ -1,4 +1,5 @@
-"""A throwaway SeaweedFS S3 server on 127.0.0.1, for the tests, the demo and the benchmarks.
+"""A local SeaweedFS S3 server on 127.0.0.1: throwaway for the tests, the demo and the benchmarks,
+or kept in a directory by `s3ckpt.tools.serve` (``s3ckpt serve``).
 
 SeaweedFS (``weed mini``: master, volume, filer and S3 gateway in one process) is used because it
 enforces SigV4 and validates Content-MD5 and x-amz-checksum-*, unlike moto. The binary comes from
@@ -24,10 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-__all__ = ["LocalEndpoint", "SeaweedFS", "find_weed", "free_port"]
+__all__ = ["DEFAULT_PORT", "LocalEndpoint", "PortInUse", "SeaweedFS", "find_weed", "free_port"]
 
+# Throwaway credentials of a server that listens on 127.0.0.1 only: `serve` prints them.
 DEFAULT_ACCESS_KEY_ID = "s3ckpt-test"
 DEFAULT_SECRET_ACCESS_KEY = "s3ckpt-test-secret-key"
+DEFAULT_PORT = 8333  # SeaweedFS's own default S3 port
 
 # Every SeaweedFS component serves gRPC on its HTTP port + 10000.
 _GRPC_OFFSET = 10000
@@ -57,6 +60,26 @@ class LocalEndpoint:
     secret_access_key: str
     region: str = "us-east-1"
 
+    def environment(self) -> dict[str, str]:
+        """The variables that point the AWS SDKs, and so s3ckpt, at this server."""
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint_url,
+            "AWS_ACCESS_KEY_ID": self.access_key_id,
+            "AWS_SECRET_ACCESS_KEY": self.secret_access_key,
+            "AWS_REGION": self.region,
+        }
+
+
+class PortInUse(RuntimeError):
+    """The S3 port asked for is taken: another server must not be shadowed or half-started."""
+
+    def __init__(self, port: int) -> None:
+        super().__init__(
+            f"port {port} on 127.0.0.1 is already in use (another server?); "
+            "choose a free one with --port"
+        )
+        self.port = port
+
 
 def find_weed() -> str:
     """The ``weed`` binary: on PATH, else beside this interpreter (a venv that is not activated)."""
@@ -79,8 +102,12 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _is_free(port: int) -> bool:
+def _is_free(port: int, *, reuse: bool = False) -> bool:
+    """``reuse`` (SO_REUSEADDR, as Go's listeners set it) lets a port whose last connections
+    linger in TIME_WAIT count as free: only a listener makes it taken."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        if reuse:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("127.0.0.1", port))
         except OSError:
@@ -88,11 +115,12 @@ def _is_free(port: int) -> bool:
     return True
 
 
-def _free_twin_ports(count: int) -> list[int]:
-    """Distinct ports p with p and p + 10000 both free (SystemRandom: immune to test seeding)."""
+def _free_twin_ports(count: int, exclude: frozenset[int] = frozenset()) -> list[int]:
+    """Distinct ports p with p and p + 10000 both free and not in ``exclude`` (SystemRandom:
+    immune to test seeding)."""
     rng = random.SystemRandom()
     chosen: list[int] = []
-    taken: set[int] = set()
+    taken: set[int] = set(exclude)
     for _ in range(1000):
         port = rng.randrange(*_PORT_RANGE)
         twins = {port, port + _GRPC_OFFSET}
@@ -133,8 +161,9 @@ class SeaweedFS:
     """One ``weed mini`` process with SigV4 enforced, on free ports of 127.0.0.1.
 
     Data, the identities file and ``weed.log`` live in ``workdir``; without one a temporary
-    directory is used and removed by `stop`. The process runs in its own session so `stop` can
-    end it whole, and an atexit hook stops it if the caller forgets.
+    directory is used and removed by `stop`. S3 listens on ``s3_port`` if given (`PortInUse` if
+    it is taken), else on a free port like the other components. The process runs in its own
+    session so `stop` can end it whole, and an atexit hook stops it if the caller forgets.
     """
 
     def __init__(
@@ -144,13 +173,16 @@ class SeaweedFS:
         access_key_id: str = DEFAULT_ACCESS_KEY_ID,
         secret_access_key: str = DEFAULT_SECRET_ACCESS_KEY,
         startup_timeout: float = 60.0,
+        s3_port: int | None = None,
     ) -> None:
         self._requested_workdir = Path(workdir) if workdir is not None else None
+        self._s3_port = s3_port
         self._access_key_id = access_key_id
         self._secret_access_key = secret_access_key
         self._startup_timeout = startup_timeout
         self._workdir: Path | None = None
         self._proc: subprocess.Popen[bytes] | None = None
+        # Every port this process owns (HTTP and gRPC), for the sockets weed leaves behind.
         self._ports: list[int] = []
         self._endpoint: LocalEndpoint | None = None
 
@@ -174,11 +206,13 @@ class SeaweedFS:
         deadline = time.monotonic() + self._startup_timeout
         try:
             for _ in range(_PORT_ATTEMPTS):
+                if self._s3_port is not None and not _is_free(self._s3_port, reuse=True):
+                    raise PortInUse(self._s3_port)
                 if self._launch(weed, workdir, config, deadline):
                     return self.endpoint
             raise RuntimeError(
                 f"SeaweedFS found its ports taken {_PORT_ATTEMPTS} times; log tail:\n"
-                f"{self._log_tail()}"
+                f"{self.log_tail()}"
             )
         except BaseException:
             self.stop()
@@ -195,6 +229,12 @@ class SeaweedFS:
         if self._workdir is not None and self._requested_workdir is None:
             shutil.rmtree(self._workdir, ignore_errors=True)
         self._workdir = None
+
+    def wait(self) -> int:
+        """Block until weed exits (it runs until stopped) and return its exit status."""
+        if self._proc is None:
+            raise RuntimeError("SeaweedFS is not running; call start() first")
+        return self._proc.wait()
 
     def __enter__(self) -> SeaweedFS:
         self.start()
@@ -230,8 +270,21 @@ class SeaweedFS:
 
     def _launch(self, weed: str, workdir: Path, config: Path, deadline: float) -> bool:
         """Run weed on fresh ports; False if another process took one of them first."""
-        self._ports = _free_twin_ports(_COMPONENTS)
-        s3, master, volume, filer, admin = self._ports
+        if self._s3_port is None:
+            self._ports = _free_twin_ports(_COMPONENTS)
+            s3, master, volume, filer, admin = self._ports
+            self._ports += [p + _GRPC_OFFSET for p in self._ports]
+            s3_grpc: list[str] = []
+        else:
+            s3 = self._s3_port
+            mine = frozenset({s3, s3 + _GRPC_OFFSET})
+            master, volume, filer, admin, grpc = _free_twin_ports(_COMPONENTS, exclude=mine)
+            self._ports = [
+                s3,
+                grpc,
+                *(p + d for p in (master, volume, filer, admin) for d in (0, _GRPC_OFFSET)),
+            ]
+            s3_grpc = [f"-s3.port.grpc={grpc}"]  # any port: s3 + 10000 may be taken or too high
         command = [
             weed,
             "-logtostderr=true",  # else glog writes into /tmp, outside the workdir
@@ -251,6 +304,7 @@ class SeaweedFS:
             f"-volume.port={volume}",
             f"-filer.port={filer}",
             f"-admin.port={admin}",
+            *s3_grpc,
         ]
         # HOME and cwd point at the workdir so ~/.seaweedfs/*.toml and ./*.toml cannot apply.
         env = {k: v for k, v in os.environ.items() if not k.startswith(_FOREIGN_ENV_PREFIXES)}
@@ -274,7 +328,7 @@ class SeaweedFS:
                     return False
                 raise RuntimeError(
                     f"SeaweedFS exited with status {self._proc.returncode}; log tail:\n"
-                    f"{self._log_tail()}"
+                    f"{self.log_tail()}"
                 )
             if _READY_MARKER in self._log_bytes() and _answers_http(s3):
                 self._endpoint = LocalEndpoint(
@@ -286,7 +340,7 @@ class SeaweedFS:
             if time.monotonic() > deadline:
                 raise RuntimeError(
                     f"SeaweedFS did not become ready within {self._startup_timeout:g} s; "
-                    f"log tail:\n{self._log_tail()}"
+                    f"log tail:\n{self.log_tail()}"
                 )
             time.sleep(0.05)
 
@@ -298,13 +352,18 @@ class SeaweedFS:
         except FileNotFoundError:
             return b""
 
-    def _log_tail(self) -> str:
+    def log_tail(self) -> str:
         return self._log_bytes()[-_LOG_TAIL_BYTES:].decode("utf-8", errors="replace")
 
     def _remove_sockets(self) -> None:
         """weed leaves /tmp/seaweedfs-<component>-<port>.sock behind (all of them after SIGKILL)."""
         for port in self._ports:
-            for twin in (port, port + _GRPC_OFFSET):
-                for path in _SOCKET_DIR.glob(f"seaweedfs-*-{twin}.sock"):
-                    path.unlink(missing_ok=True)
+            for path in _SOCKET_DIR.glob(f"seaweedfs-*-{port}.sock"):
+                path.unlink(missing_ok=True)
         self._ports = []
+
+
+if __name__ == "__main__":  # the same as `python -m s3ckpt.tools.serve` (`s3ckpt serve`)
+    from .serve import main
+
+    sys.exit(main())

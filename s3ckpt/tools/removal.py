@@ -42,12 +42,18 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Removal:
-    """What a removal deleted; ``confirm`` gets one that says what it would delete."""
+    """What a removal deleted; ``confirm`` gets one that says what it would delete.
+
+    ``bytes_freed`` counts the objects and the parts of the aborted uploads (ListParts, when
+    planned): a save killed mid-upload holds its bytes in parts. ``upload_bytes`` is the parts'
+    share of it.
+    """
 
     bucket: str
     deleted: tuple[str, ...] = ()
     aborted: tuple[Upload, ...] = ()
     bytes_freed: int = 0
+    upload_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,7 @@ class _Target:
     record_size: int | None = None  # a .metadata to delete first
     objects: list[StoredObject] = field(default_factory=list)
     uploads: list[Upload] = field(default_factory=list)
+    upload_bytes: int = 0  # what the parts of ``uploads`` hold
     young: list[str] = field(default_factory=list)  # gc: kept, their save is recent
     young_uploads: list[Upload] = field(default_factory=list)
 
@@ -148,6 +155,7 @@ def _report(
         removal.deleted,
         removal.aborted,
         removal.bytes_freed,
+        removal.upload_bytes,
         skipped=tuple(young),
         skipped_uploads=tuple(young_uploads),
         dry_run=dry_run,
@@ -163,7 +171,8 @@ async def _plan_delete(store: ObjectStore, location: Location) -> _Target:
     pending = (await scan.uploads(store, location)).get(location.prefix, [])
     size = None if head is None else head.size
     objects, uploads = _not_running(location, data, pending, now)
-    target = _Target(location, None, size, objects, uploads)
+    in_parts = await scan.upload_bytes(store, location.bucket, uploads)
+    target = _Target(location, None, size, objects, uploads, in_parts)
     if head is None and not target.objects and not target.uploads:
         running = " but a running save's (its lease is live)" if data or pending else ""
         raise CheckpointNotFound(
@@ -186,7 +195,9 @@ async def _plan_prune(
     for f, (found, now) in zip(victims, data, strict=True):
         pending = uploads.get(f.location.prefix, [])
         objects, mine = _not_running(f.location, found, pending, now)
-        plan.append((f.info, _Target(f.location, f.etag, f.record_size, objects, mine)))
+        in_parts = await scan.upload_bytes(store, location.bucket, mine)
+        target = _Target(f.location, f.etag, f.record_size, objects, mine, in_parts)
+        plan.append((f.info, target))
     return plan
 
 
@@ -250,11 +261,13 @@ async def _gc_one(
     target = _Target(location, None if found is None else found.etag)
     for save_id, (objects, save_uploads) in by_save.items():
         cutoff = now - older_than
-        if save_id not in live and await _idle(
-            store, location.bucket, objects, save_uploads, cutoff
-        ):
+        in_parts: int | None = None
+        if save_id not in live:
+            in_parts = await _idle(store, location.bucket, objects, save_uploads, cutoff)
+        if in_parts is not None:
             target.objects += objects
             target.uploads += save_uploads
+            target.upload_bytes += in_parts
         else:
             target.young += [obj.key for obj in objects]
             target.young_uploads += save_uploads
@@ -267,23 +280,28 @@ async def _idle(
     objects: list[StoredObject],
     uploads: list[Upload],
     cutoff: datetime,
-) -> bool:
-    """Whether one save has written nothing since ``cutoff``: neither an object, nor an upload
-    or a part of one (a large upload can start long before its last part arrives)."""
+) -> int | None:
+    """The bytes in the parts of one save's uploads if it has written nothing since ``cutoff``:
+    neither an object, nor an upload or a part of one (a large upload can start long before its
+    last part arrives); None if it has."""
     written = [obj.modified for obj in objects] + [upload.initiated for upload in uploads]
     if not all(scan.is_old(when, cutoff) for when in written):
-        return False
+        return None
     parts = await scan.run_all(lambda u: store.list_parts(bucket, u), uploads, store)
-    return all(scan.is_old(part.modified, cutoff) for listed in parts for part in listed)
+    if not all(scan.is_old(part.modified, cutoff) for listed in parts for part in listed):
+        return None
+    return sum(part.size for listed in parts for part in listed)
 
 
 def _preview(bucket: str, targets: list[_Target]) -> Removal:
     records = [t.location.metadata_key for t in targets if t.record_size is not None]
+    in_parts = sum(t.upload_bytes for t in targets)
     return Removal(
         bucket,
         tuple(records + [obj.key for t in targets for obj in t.objects]),
         tuple(upload for t in targets for upload in t.uploads),
-        sum((t.record_size or 0) + sum(obj.size for obj in t.objects) for t in targets),
+        sum((t.record_size or 0) + sum(obj.size for obj in t.objects) for t in targets) + in_parts,
+        in_parts,
     )
 
 
@@ -331,7 +349,8 @@ async def _remove(
         lambda u: _abort(store, plan.bucket, u, advance, doing), plan.aborted, store
     )
     done_uploads = tuple(u for u, ok in zip(plan.aborted, aborted, strict=True) if ok)
-    return Removal(plan.bucket, plan.deleted, done_uploads, plan.bytes_freed), dropped
+    removal = Removal(plan.bucket, plan.deleted, done_uploads, plan.bytes_freed, plan.upload_bytes)
+    return removal, dropped
 
 
 async def _delete(
@@ -361,12 +380,4 @@ def _refused(error: StorageError, doing: str) -> StorageError:
     message = f"{doing}: {error.message}"
     if error.code != "AccessDenied" or isinstance(error, AccessDenied):
         return error.reworded(message)
-    return AccessDenied(
-        message,
-        endpoint=error.endpoint,
-        bucket=error.bucket,
-        key=error.key,
-        operation=error.operation,
-        code=error.code,
-        status=error.status,
-    )
+    return error.retyped(AccessDenied, message)

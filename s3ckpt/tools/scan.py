@@ -1,24 +1,26 @@
 """How checkpoints are found under a prefix: the listings and GETs behind `catalog` and `removal`.
 
 A checkpoint is a "directory" holding ``.metadata`` (committed) or only ``data-<id>/`` objects (a
-save that failed or is still running). Discovery goes one level deep with ``Delimiter="/"``, so a
-parent prefix costs a listing page per 1000 children plus one small GET per checkpoint, never a
-listing of the bucket. Everything here is a coroutine for the `bridge` loop; the synchronous API
-is in `s3ckpt.tools.catalog`.
+save that failed or is still running). The removals go one level deep (`candidates`, with
+``Delimiter="/"``), so a parent prefix costs a listing page per 1000 children plus one small GET
+per checkpoint, never a listing of the bucket; listing and ``latest`` search every depth
+(`s3ckpt.tools.tree`). An incomplete checkpoint costs one ListParts per multipart upload, since a
+save killed mid-upload holds its bytes there. Everything here is a coroutine for the `bridge`
+loop; the synchronous API is in `s3ckpt.tools.catalog`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import re
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ..config import parse_s3_url
-from ..dcp.prefix import AtPrefix, State, read_prefix, saves
+from ..dcp.prefix import AtPrefix, State, read_prefix
+from ..dcp.prefix import step_of as step_of_prefix
 from ..engine.bridge import gather_or_cancel
 from ..engine.contract import ObjectStore, StoredObject, Upload
 from ..errors import MetadataError
@@ -30,9 +32,11 @@ __all__ = [
     "CheckpointInfo",
     "Found",
     "Progress",
+    "Transfer",
     "candidates",
     "committed",
     "found",
+    "incomplete",
     "is_old",
     "live_saves",
     "location_of",
@@ -41,6 +45,7 @@ __all__ = [
     "run_all",
     "step_of",
     "survey",
+    "upload_bytes",
     "uploads",
 ]
 
@@ -50,32 +55,47 @@ log = logging.getLogger(__name__)
 
 Progress = Callable[[int, int], None]
 """Called as ``progress(done, total)`` while a long operation runs (objects, uploads or bytes)."""
-
-# The last path component: "step-1000", "step_1000", "global_step1000", "ckpt-00042", "1000".
-_STEP = re.compile(r"(?:[A-Za-z][A-Za-z_]*[-_]?)?(\d+)")
+Transfer = Callable[[int, int, int, int], None]
+"""Called as ``progress(done, total, done_bytes, total_bytes)``: objects and their bytes."""
 
 
 @dataclass(frozen=True)
 class CheckpointInfo:
-    """One checkpoint as a listing shows it.
+    """One checkpoint as a listing shows it; ``state`` is committed, incomplete or unreadable.
 
     A committed one counts ``.metadata`` and the objects it references (leftovers of failed saves
-    are `gc`'s business). An incomplete one counts its data objects (none, if a save died before
-    one was complete: it has only multipart uploads), and ``created`` is its latest write. One
-    whose ``.metadata`` cannot be read (damaged, or from a newer s3ckpt) is listed like an
-    incomplete one, with the reason in ``unreadable``; removals never delete it.
+    are `gc`'s business). An incomplete one counts its data objects and the parts of its
+    multipart uploads (a save killed early has nothing else: ``num_objects`` 0), and ``created``
+    is its latest write. One whose ``.metadata`` cannot be read (damaged, or from a newer s3ckpt)
+    is listed like an incomplete one, with the reason in ``unreadable``; removals never delete it.
+
+    What the record says of the save (``None`` for an incomplete one): ``world_size``,
+    ``tensors``, ``logical_bytes`` (the state's bytes) and ``stored_bytes`` (its data objects'),
+    ``frame_size``, and what `S3Writer` records in ``extra`` (``None`` in records written before
+    it did): ``compression`` (``"zstd"``; ``None`` with ``torch_version`` set: stored raw),
+    ``compression_level``, ``s3ckpt_version``, ``torch_version``.
     """
 
     url: str
     prefix: str
+    state: str
     committed: bool
     total_bytes: int
     num_objects: int
     created: datetime
     step: int | None
     save_id: str | None
-    world_size: int | None
-    compression: str | None
+    world_size: int | None = None
+    compression: str | None = None
+    compression_level: int | None = None
+    frame_size: int | None = None
+    s3ckpt_version: str | None = None
+    torch_version: str | None = None
+    tensors: int | None = None
+    logical_bytes: int | None = None
+    stored_bytes: int = 0
+    uploads: int = 0  # multipart uploads in progress (counted for incomplete checkpoints)
+    upload_bytes: int = 0  # the bytes of their parts so far
     unreadable: str | None = None  # why ``.metadata`` cannot be read (then not ``committed``)
 
 
@@ -95,8 +115,8 @@ def location_of(url: str) -> Location:
 
 
 def step_of(location: Location) -> int | None:
-    match = _STEP.fullmatch(location.prefix.rpartition("/")[2])
-    return int(match.group(1)) if match else None
+    """The number the prefix's last component ends in (``step-000100``: 100)."""
+    return step_of_prefix(location.prefix)
 
 
 def newness(info: CheckpointInfo) -> tuple[bool, int, datetime]:
@@ -170,27 +190,42 @@ def found(at: AtPrefix) -> Found:
     except (OverflowError, OSError, ValueError):
         message = f"{location.metadata_url}: created {checkpoint.created} is not a valid time"
         raise MetadataError(message, url=location.metadata_url) from None
-    world_size = checkpoint.extra.get("world_size")
-    compression = checkpoint.extra.get("compression")
+    extra = checkpoint.extra
+    frame_sizes = {table.frame_size for table in checkpoint.frames.values()}
     info = CheckpointInfo(
         url=location.url,
         prefix=location.prefix,
+        state="committed",
         committed=True,
-        total_bytes=sum(checkpoint.objects.values()) + at.record_size,
+        total_bytes=checkpoint.stored_bytes + at.record_size,
         num_objects=len(checkpoint.objects) + 1,
         created=created,
         step=step_of(location),
         save_id=checkpoint.save_id,
-        world_size=world_size if isinstance(world_size, int) else None,
-        compression=compression if isinstance(compression, str) else None,
+        world_size=_recorded(extra, "world_size", int),
+        compression=_recorded(extra, "compression", str),
+        compression_level=_recorded(extra, "compression_level", int),
+        frame_size=frame_sizes.pop() if len(frame_sizes) == 1 else None,
+        s3ckpt_version=_recorded(extra, "s3ckpt_version", str),
+        torch_version=_recorded(extra, "torch_version", str),
+        tensors=checkpoint.tensors,
+        logical_bytes=checkpoint.logical_bytes,
+        stored_bytes=checkpoint.stored_bytes,
     )
     return Found(info, location, at.etag, at.record_size, checkpoint)
+
+
+def _recorded(extra: dict[str, Any], name: str, kind: type[R]) -> R | None:
+    """``extra[name]`` if the record holds one of ``kind`` (``extra`` is free-form, and records
+    from older writers lack the field)."""
+    value = extra.get(name)
+    return value if isinstance(value, kind) and not isinstance(value, bool) else None
 
 
 async def committed(store: ObjectStore, location: Location) -> Found | None:
     """The committed checkpoint at ``location``, or None; MetadataError if its record cannot
     be read."""
-    at = await read_prefix(store, location)
+    at = await read_prefix(store, location, below=False)
     if at.error is not None:
         raise at.error
     return found(at) if at.state is State.COMMITTED else None
@@ -205,45 +240,49 @@ async def readable(store: ObjectStore, location: Location) -> Found | None:
         return None
 
 
-async def _inspect(
-    store: ObjectStore, location: Location, pending: list[tuple[Upload, str]]
-) -> Found | None:
-    """The checkpoint at ``location``, committed or not (its ``pending`` uploads count only for an
-    incomplete one: a save killed early has nothing else); None if there is none."""
-    at = await read_prefix(store, location)
-    if at.state is State.COMMITTED:
-        return found(at)
-    unreadable = None if at.error is None else str(at.error)
-    if unreadable is not None:
-        log.warning("%s: %s", location.url, unreadable)
-    # read_prefix listed the save objects unless it found a record it could not read
-    unlisted = at.state is State.UNREADABLE
-    data = [obj for obj, _ in (await saves(store, location))[0]] if unlisted else list(at.data)
-    if not data and not pending and unreadable is None:
-        return None
+async def upload_bytes(store: ObjectStore, bucket: str, pending: Iterable[Upload]) -> int:
+    """The bytes of the parts uploaded so far (one ListParts per upload)."""
+    parts = await run_all(lambda u: store.list_parts(bucket, u), pending, store)
+    return sum(part.size for listed in parts for part in listed)
+
+
+async def incomplete(
+    store: ObjectStore,
+    location: Location,
+    data: list[StoredObject],
+    pending: list[tuple[Upload, str]],
+    unreadable: str | None = None,
+) -> Found:
+    """A checkpoint without a readable record, from its saves' objects and uploads: their parts
+    are listed, since a save killed mid-upload holds its bytes there."""
+    parts = await run_all(lambda u: store.list_parts(location.bucket, u[0]), pending, store)
     start = len(location.listing_prefix)
     ids = {layout.save_of(obj.key[start:]) for obj in data} | {save for _, save in pending}
+    stored = sum(obj.size for obj in data)
+    in_parts = sum(part.size for listed in parts for part in listed)
+    written = [obj.modified for obj in data] + [u.initiated for u, _ in pending]
+    written += [part.modified for listed in parts for part in listed]
     info = CheckpointInfo(
         url=location.url,
         prefix=location.prefix,
+        state="incomplete" if unreadable is None else "unreadable",
         committed=False,
-        total_bytes=sum(obj.size for obj in data),
+        total_bytes=stored + in_parts,
         num_objects=len(data),
-        created=max(
-            [obj.modified for obj in data] + [u.initiated for u, _ in pending],
-            default=datetime.fromtimestamp(0, timezone.utc),
-        ),
+        created=max(written, default=datetime.fromtimestamp(0, timezone.utc)),
         step=step_of(location),
         save_id=ids.pop() if len(ids) == 1 else None,
-        world_size=None,
-        compression=None,
+        stored_bytes=stored,
+        uploads=len(pending),
+        upload_bytes=in_parts,
         unreadable=unreadable,
     )
     return Found(info, location)
 
 
 async def survey(store: ObjectStore, location: Location) -> list[Found]:
-    """Every checkpoint at and directly under ``location``, committed or not, oldest first."""
-    found_at, pending = await candidates(store, location, with_uploads=True)
-    found = await run_all(lambda c: _inspect(store, c, pending.get(c.prefix, [])), found_at, store)
+    """The committed checkpoints at and directly under ``location``, oldest first; one whose
+    record cannot be read is skipped with a warning."""
+    found_at, _ = await candidates(store, location)
+    found = await run_all(lambda c: readable(store, c), found_at, store)
     return sorted((f for f in found if f is not None), key=lambda f: newness(f.info))

@@ -34,15 +34,15 @@ def test_ls_prints_an_aligned_table_and_json(cli: Cli, s3: S3Env, bucket: str, r
     code, out, _ = cli("ls", f"s3://{bucket}/run")
     assert code == 0
     header, *rows = out.splitlines()
-    assert header.split()[:5] == ["PREFIX", "STATUS", "STEP", "SIZE", "OBJECTS"]
-    assert [r.split()[:3] for r in rows] == [
-        ["run/step-1", "committed", "1"],
-        ["run/step-2", "committed", "2"],
-        ["run/step-10", "committed", "10"],
-        ["run/step-11", "incomplete", "11"],
+    assert header.split()[:2] == ["PREFIX", "STEP"] and header.split()[-1] == "STATE"
+    assert [[*r.split()[:2], r.split()[-1]] for r in rows] == [
+        ["step-1", "1", "committed"],
+        ["step-2", "2", "committed"],
+        ["step-10", "10", "committed"],
+        ["step-11", "11", "incomplete"],
     ]
-    status_column = header.index("STATUS")
-    assert all(row[status_column - 2 : status_column] == "  " for row in rows)
+    state_column = header.index("STATE")
+    assert all(row[state_column - 2 : state_column] == "  " for row in rows)
     assert "100 B" in rows[3]
     # Options may also follow the subcommand.
     code, out, _ = cli("ls", f"s3://{bucket}/run", "--json")

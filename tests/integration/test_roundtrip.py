@@ -147,7 +147,7 @@ def test_partial_load_reads_only_the_frames_it_needs(s3: Any, bucket: str) -> No
 
 def test_checkpoint_id_url_and_reset(s3: Any, bucket: str) -> None:
     state = {"x": torch.randn(10)}
-    writer = S3Writer("unused-bucket", config=s3.config())
+    writer = S3Writer(bucket, "unused/prefix", config=s3.config())
     dcp.save(state, checkpoint_id=f"s3://{bucket}/run7/step-2000", storage_writer=writer)
     assert writer.checkpoint_id == f"s3://{bucket}/run7/step-2000"
     loaded = {"x": torch.zeros(10)}

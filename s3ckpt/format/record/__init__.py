@@ -9,6 +9,11 @@ Both also check the record as a whole, since one that is legal field by field ca
 data with every checksum passing: a chunk's locator holds exactly its elements' bytes, the chunks of
 a tensor cover it exactly once, and every frame table fits its object.
 
+:func:`decode` returns the format's own model (`model`: plain dataclasses, no torch), which is all
+that listing, describing, verifying and removing need; DCP's ``Metadata`` is built from it when a
+load asks (`Checkpoint.metadata`, `torchmeta`). :func:`encode` takes DCP's types, so it and torch
+are imported only when it is first used (PEP 562).
+
 Layout (the file is compact UTF-8 with sorted keys; spaced out here for reading)::
 
     {"format": "s3ckpt", "version": 1, "save_id": "...", "created": 1700000000.5,
@@ -25,21 +30,52 @@ Layout (the file is compact UTF-8 with sorted keys; spaced out here for reading)
 
 ``planner_data`` is plain JSON except that a Python tuple is written as ``{"__tuple__": [...]}``,
 so the default planners' ``{fqn: ("a", 0, "b")}`` paths come back as tuples, exactly.
+
+``extra`` is free-form; `S3Writer` records there what the tools show and the rest of the record
+does not say: ``world_size``, ``compression`` (``"zstd"`` or null), ``compression_level`` and
+``shuffle`` (null when uncompressed), ``s3ckpt_version`` and ``torch_version``. Records written
+before these were recorded lack them; readers must treat each as optional.
 """
 
-from .decoder import check_record_size, decode
-from .encoder import encode
-from .model import FORMAT, FORMAT_VERSION, Checkpoint, Locator
+from __future__ import annotations
 
-# The overlap sweep's budget, set here (where it was before the split) so lowering it on the
-# package still takes effect: `tiling._check_disjoint` reads it from here.
+from typing import TYPE_CHECKING, Any
+
+from .decoder import check_record_size, decode
+from .model import (
+    FORMAT,
+    FORMAT_VERSION,
+    BytesEntry,
+    Checkpoint,
+    Chunk,
+    Locator,
+    StorageInfo,
+    TensorEntry,
+)
+
+if TYPE_CHECKING:
+    from .encoder import encode
 
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
+    "BytesEntry",
     "Checkpoint",
+    "Chunk",
     "Locator",
+    "StorageInfo",
+    "TensorEntry",
     "check_record_size",
     "decode",
     "encode",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """`encode` (and with it torch) is imported when it is first asked for."""
+    if name != "encode":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from .encoder import encode
+
+    globals()["encode"] = encode
+    return encode

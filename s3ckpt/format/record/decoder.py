@@ -7,17 +7,6 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
-)
-
 from ...errors import MetadataError
 from ..frames import FrameTable
 from ..jsoncheck import (
@@ -39,19 +28,28 @@ from ..jsoncheck import (
     unique_pairs,
 )
 from .model import (
-    DTYPES,
+    DTYPE_SIZES,
     FORMAT,
     FORMAT_VERSION,
     LAYOUTS,
     MEMORY_FORMATS,
     TUPLE_TAG,
+    BytesEntry,
     Checkpoint,
+    Chunk,
+    Entry,
     Locator,
+    StorageInfo,
+    TensorEntry,
     check_locator,
     gc_paused,
     is_valid_key,
 )
 from .tiling import Box, check_chunk, check_extent, check_tiling
+
+_DTYPE_NAMES = {name: name for name in DTYPE_SIZES}
+_LAYOUTS = {name: name for name in LAYOUTS}
+_MEMORY_FORMATS = {name: name for name in MEMORY_FORMATS}
 
 
 def check_record_size(size: int, limit: int, url: str) -> None:
@@ -68,17 +66,20 @@ def check_record_size(size: int, limit: int, url: str) -> None:
 
 
 def decode(data: bytes, *, url: str) -> Checkpoint:
-    """Parse and validate a commit record; any defect is a MetadataError naming ``url`` and why."""
+    """Parse and validate a commit record; any defect is a MetadataError naming ``url`` and why.
+
+    The result is the format's own model: no torch is imported until a load asks for DCP's
+    ``Metadata`` (`Checkpoint.metadata`)."""
     try:
         with gc_paused():
-            return _decode_record(data)
+            return _decode_record(data, url)
     except Invalid as exc:
         raise MetadataError(f"{url}: {exc}", url=url) from None
     except RecursionError:
         raise MetadataError(f"{url}: commit record is nested too deeply", url=url) from None
 
 
-def _decode_record(data: bytes) -> Checkpoint:
+def _decode_record(data: bytes, url: str) -> Checkpoint:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         fail(f"commit record must be bytes, got {type(data).__name__}")
     if bytes(data[:1]) == b"\x80":
@@ -140,58 +141,46 @@ def _decode_record(data: bytes) -> Checkpoint:
     planner_data = _from_json(get_field(record, "planner_data", ""), "planner_data")
 
     raw_sizes = {key: table.raw_size for key, table in frames.items()}
-    locators: dict[MetadataIndex, Locator] = {}
-    state_dict: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+    state_dict: dict[str, Entry] = {}
     entries = as_dict(get_field(record, "state_dict", ""), "state_dict")
     for fqn in list(entries):
         where = f"state_dict[{fqn!r}]"
         entry = as_dict(entries.pop(fqn), where)  # its tree freed once decoded: a lower peak
         kind = get_field(entry, "type", where)
         if kind == "bytes":
-            locators[MetadataIndex(fqn)] = _decode_locator(entry, raw_sizes, where)
-            state_dict[fqn] = BytesStorageMetadata()
+            state_dict[fqn] = BytesEntry(_decode_locator(entry, raw_sizes, where))
         elif kind == "tensor":
-            state_dict[fqn] = _decode_tensor(fqn, entry, raw_sizes, locators, where)
+            state_dict[fqn] = _decode_tensor(entry, raw_sizes, where)
         else:
             fail(f"{where}.type: expected 'tensor' or 'bytes', got {show(kind)}")
 
-    metadata = Metadata(
-        state_dict_metadata=state_dict,
-        planner_data=planner_data,
-        storage_data=locators,
-        storage_meta=storage_meta,
-        version=dcp_version,
-    )
     return Checkpoint(
-        metadata=metadata,
-        locators=locators,
         save_id=save_id,
         created=float(created),
         objects=objects,
         extra=extra,
         frames=frames,
+        entries=state_dict,
+        planner_data=planner_data,
+        storage_meta=storage_meta,
+        dcp_version=dcp_version,
+        url=url,
     )
 
 
-def _decode_tensor(
-    fqn: str,
-    entry: dict[str, Any],
-    objects: Mapping[str, int],
-    locators: dict[MetadataIndex, Locator],
-    where: str,
-) -> TensorStorageMetadata:
-    properties = TensorProperties(
-        dtype=lookup(DTYPES, get_field(entry, "dtype", where), where, "dtype"),
-        layout=lookup(LAYOUTS, get_field(entry, "layout", where), where, "layout"),
-        requires_grad=as_bool(get_field(entry, "requires_grad", where), where, "requires_grad"),
-        memory_format=lookup(
-            MEMORY_FORMATS, get_field(entry, "memory_format", where), where, "memory_format"
-        ),
-        pin_memory=as_bool(get_field(entry, "pin_memory", where), where, "pin_memory"),
+def _decode_tensor(entry: dict[str, Any], objects: Mapping[str, int], where: str) -> TensorEntry:
+    dtype: str = lookup(_DTYPE_NAMES, get_field(entry, "dtype", where), where, "dtype")
+    layout: str = lookup(_LAYOUTS, get_field(entry, "layout", where), where, "layout")
+    memory_format: str = lookup(
+        _MEMORY_FORMATS, get_field(entry, "memory_format", where), where, "memory_format"
     )
+    requires_grad = as_bool(get_field(entry, "requires_grad", where), where, "requires_grad")
+    pin_memory = as_bool(get_field(entry, "pin_memory", where), where, "pin_memory")
     size = as_counts(get_field(entry, "size", where), where, "size")
-    chunks: list[ChunkStorageMetadata] = []
+    itemsize = DTYPE_SIZES[dtype]
+    chunks: list[Chunk] = []
     boxes: list[Box] = []
+    starts: set[tuple[int, ...]] = set()
     volume = 0
     for position, chunk in enumerate(as_list(get_field(entry, "chunks", where), where, "chunks")):
         at = f"{where}.chunks[{position}]"
@@ -199,17 +188,18 @@ def _decode_tensor(
         offsets = as_counts(get_field(chunk, "offsets", at), at, "offsets")
         sizes = as_counts(get_field(chunk, "sizes", at), at, "sizes")
         check_chunk(offsets, sizes, size, at)
-        index = MetadataIndex(fqn, offsets, position)
-        if index in locators:
+        start = tuple(offsets)
+        if start in starts:
             fail(f"{at}: two chunks start at offsets {offsets}")
-        locator = locators[index] = _decode_locator(chunk, objects, at)
-        count = check_extent(locator.length, sizes, properties.dtype, at)
+        starts.add(start)
+        locator = _decode_locator(chunk, objects, at)
+        count = check_extent(locator.length, sizes, itemsize, dtype, at)
         if count:
             boxes.append((position, offsets, sizes))
         volume += count
-        chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
+        chunks.append(Chunk(offsets, sizes, locator))
     check_tiling(size, volume, boxes, where)
-    return TensorStorageMetadata(properties=properties, size=torch.Size(size), chunks=chunks)
+    return TensorEntry(dtype, size, layout, memory_format, requires_grad, pin_memory, chunks)
 
 
 def _decode_locator(entry: dict[str, Any], objects: Mapping[str, int], where: str) -> Locator:
@@ -224,12 +214,12 @@ def _decode_locator(entry: dict[str, Any], objects: Mapping[str, int], where: st
     return locator
 
 
-def _decode_storage_meta(value: Any) -> StorageMeta | None:
+def _decode_storage_meta(value: Any) -> StorageInfo | None:
     if value is None:
         return None
     raw = as_dict(value, "storage_meta")
     modules = as_list(get_field(raw, "modules", "storage_meta"), "storage_meta", "modules")
-    return StorageMeta(
+    return StorageInfo(
         checkpoint_id=opt_str(
             get_field(raw, "checkpoint_id", "storage_meta"), "storage_meta.checkpoint_id"
         ),

@@ -1,4 +1,7 @@
-""":func:`encode`, and the checks by which it refuses to commit a record that cannot be loaded."""
+""":func:`encode`, and the checks by which it refuses to commit a record that cannot be loaded.
+
+It takes what DCP hands a writer (``Metadata`` and torch types), so it imports torch: only a
+save needs it, and `s3ckpt.format.record` imports it when it is first asked for."""
 
 from __future__ import annotations
 
@@ -20,11 +23,8 @@ from ...errors import MetadataError
 from ..frames import FrameTable
 from ..jsoncheck import Invalid, all_counts, fail, is_count, joined, show
 from .model import (
-    DTYPE_NAMES,
     FORMAT,
     FORMAT_VERSION,
-    LAYOUT_NAMES,
-    MEMORY_FORMAT_NAMES,
     TUPLE_TAG,
     Locator,
     check_locator,
@@ -32,6 +32,7 @@ from .model import (
     is_valid_key,
 )
 from .tiling import Box, check_chunk, check_extent, check_tiling
+from .torchmeta import DTYPE_NAMES, LAYOUT_NAMES, MEMORY_FORMAT_NAMES
 
 _MAX_DEPTH = 64  # planner_data / extra nesting; deeper is almost surely a reference cycle.
 
@@ -177,7 +178,7 @@ def _encode_tensor(
             fail(f"{at}: two chunks start at offsets {offsets}")
         seen.add(tuple(offsets))
         locator = locate(MetadataIndex(fqn, offsets), at)
-        count = check_extent(locator["length"], sizes, props.dtype, at)
+        count = check_extent(locator["length"], sizes, props.dtype.itemsize, dtype, at)
         if count:
             boxes.append((position, offsets, sizes))
         volume += count

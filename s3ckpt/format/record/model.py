@@ -1,77 +1,70 @@
-"""What encoding and decoding share: the format's name and version, the tables of torch names,
-the :class:`Locator` and :class:`Checkpoint` types, and the key and locator checks."""
+"""The format's own model of a commit record: plain dataclasses and the tables of torch names,
+shared by encoding and decoding, with the key and locator checks. No torch.
+
+Listing, describing, verifying and removing checkpoints read records through this model alone,
+so the tools never import torch (seconds of start-up); DCP's ``Metadata`` is built from it only
+when a load asks for it (`Checkpoint.metadata`, in `torchmeta`).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
-
-import torch
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
 
 from ..frames import FrameTable
 from ..jsoncheck import fail, is_count, joined, show
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 FORMAT = "s3ckpt"
 FORMAT_VERSION = 1
 
 TUPLE_TAG = "__tuple__"
 
-_T = TypeVar("_T")
-
-
-def _by_name(names: tuple[str, ...], kind: type[_T]) -> dict[str, _T]:
-    """Look up fixed names on ``torch``; names this torch lacks are skipped (float8 and friends)."""
-    table: dict[str, _T] = {}
-    for name in names:
-        value = getattr(torch, name, None)
-        if isinstance(value, kind):
-            table[name] = value
-    return table
-
-
-# Decoding maps names through these tables only: a name from the file is never looked up on torch.
-DTYPES: dict[str, torch.dtype] = _by_name(
-    (
-        "float64",
-        "float32",
-        "float16",
-        "bfloat16",
-        "complex128",
-        "complex64",
-        "complex32",
-        "int64",
-        "int32",
-        "int16",
-        "int8",
-        "uint64",
-        "uint32",
-        "uint16",
-        "uint8",
-        "bool",
-        "float8_e4m3fn",
-        "float8_e4m3fnuz",
-        "float8_e5m2",
-        "float8_e5m2fnuz",
-        "float8_e8m0fnu",
-        "float4_e2m1fn_x2",
-    ),
-    torch.dtype,
-)
-LAYOUTS: dict[str, torch.layout] = _by_name(
-    ("strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc", "jagged"),
-    torch.layout,
+# The dtypes a record may name, with their element size in bytes (torch's ``itemsize``; packed
+# dtypes count packed elements). Decoding maps names through these tables only: a name from the
+# file is never looked up on torch (`tests/unit/format/test_record_model.py` checks the sizes).
+DTYPE_SIZES: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "complex128": 16,
+    "complex64": 8,
+    "complex32": 4,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint64": 8,
+    "uint32": 4,
+    "uint16": 2,
+    "uint8": 1,
+    "bool": 1,
+    "float8_e4m3fn": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2": 1,
+    "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
+    "float4_e2m1fn_x2": 1,
+}
+LAYOUTS = (
+    "strided",
+    "sparse_coo",
+    "sparse_csr",
+    "sparse_csc",
+    "sparse_bsr",
+    "sparse_bsc",
+    "jagged",
 )
 # The three formats DCP's own (pickle) metadata can carry.
-MEMORY_FORMATS: dict[str, torch.memory_format] = _by_name(
-    ("contiguous_format", "channels_last", "preserve_format"), torch.memory_format
-)
-DTYPE_NAMES = {value: name for name, value in DTYPES.items()}
-LAYOUT_NAMES = {value: name for name, value in LAYOUTS.items()}
-MEMORY_FORMAT_NAMES = {value: name for name, value in MEMORY_FORMATS.items()}
+MEMORY_FORMATS = ("contiguous_format", "channels_last", "preserve_format")
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,22 +79,103 @@ class Locator:
     length: int
 
 
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One stored piece of a tensor: where it starts in the tensor, its sizes, its bytes."""
+
+    offsets: list[int]
+    sizes: list[int]
+    locator: Locator
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """A tensor as the record describes it; names are keys of the tables above."""
+
+    dtype: str
+    size: list[int]
+    layout: str
+    memory_format: str
+    requires_grad: bool
+    pin_memory: bool
+    chunks: list[Chunk]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.size) * DTYPE_SIZES[self.dtype]
+
+
+@dataclass(frozen=True, slots=True)
+class BytesEntry:
+    """A non-tensor value (DCP stores it as a pickle)."""
+
+    locator: Locator
+
+
+@dataclass(frozen=True, slots=True)
+class StorageInfo:
+    """DCP's ``StorageMeta``, as plain data."""
+
+    checkpoint_id: str | None
+    save_id: str | None
+    load_id: str | None
+    modules: list[str]
+
+
+Entry = TensorEntry | BytesEntry
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     """A decoded commit record.
 
-    ``metadata.storage_data`` is ``locators`` too, which is what DCP hands back to the storage
-    reader; ``objects`` lists every data object (key relative to the prefix -> size in bytes)
-    and ``frames`` how each is framed and checksummed.
+    ``objects`` lists every data object (key relative to the prefix -> size in bytes as stored)
+    and ``frames`` how each is framed and checksummed; ``entries`` are the state dict's items.
+    ``metadata`` (DCP's ``Metadata``, whose ``storage_data`` is ``locators``) is built, and torch
+    imported, on first use: only loads need it.
     """
 
-    metadata: Metadata
-    locators: dict[MetadataIndex, Locator]
     save_id: str
     created: float
     objects: dict[str, int]
     extra: dict[str, Any]
     frames: dict[str, FrameTable]
+    entries: dict[str, Entry]
+    planner_data: Any
+    storage_meta: StorageInfo | None
+    dcp_version: str | None
+    url: str  # of the record, for errors raised when DCP's types are built
+
+    @property
+    def metadata(self) -> Metadata:
+        return self._dcp[0]
+
+    @property
+    def locators(self) -> dict[MetadataIndex, Locator]:
+        return self._dcp[1]
+
+    @cached_property
+    def _dcp(self) -> tuple[Metadata, dict[MetadataIndex, Locator]]:
+        from .torchmeta import to_dcp
+
+        return to_dcp(self)
+
+    @property
+    def tensors(self) -> int:
+        return sum(isinstance(entry, TensorEntry) for entry in self.entries.values())
+
+    @property
+    def logical_bytes(self) -> int:
+        """The state's own bytes: every tensor's elements and every non-tensor value."""
+        return sum(
+            entry.nbytes if isinstance(entry, TensorEntry) else entry.locator.length
+            for entry in self.entries.values()
+        )
+
+    @property
+    def stored_bytes(self) -> int:
+        """The data objects' bytes as stored (compressed, if they are)."""
+        return sum(self.objects.values())
 
 
 @contextlib.contextmanager

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from ..jsoncheck import fail
 
 
@@ -24,18 +22,19 @@ Box = tuple[int, list[int], list[int]]
 _MAX_COMPARISONS = 1 << 20
 
 
-def check_extent(length: int, sizes: list[int], dtype: torch.dtype, where: str) -> int:
+def check_extent(length: int, sizes: list[int], itemsize: int, dtype: str, where: str) -> int:
     """A chunk's element count, once its locator is found to hold exactly its bytes.
 
     The reader sizes every read from the sizes and the dtype; a locator of another length would
     have it read a neighbour's bytes, or another dtype's, with every checksum passing. Packed
     dtypes (``float4_e2m1fn_x2``) count packed elements, as ``itemsize`` and the writer do.
+    ``dtype`` is the dtype's name in the record, for the message.
     """
     count = math.prod(sizes)
-    if length != count * dtype.itemsize:
+    if length != count * itemsize:
         fail(
-            f"{where}.locator: {length} bytes, but {count} {dtype} elements (sizes {sizes}) "
-            f"take {count * dtype.itemsize}"
+            f"{where}.locator: {length} bytes, but {count} torch.{dtype} elements (sizes {sizes}) "
+            f"take {count * itemsize}"
         )
     return count
 
@@ -79,7 +78,6 @@ def _check_disjoint(boxes: list[Box], where: str) -> None:
     """No two chunks overlap: a sweep along the dimension where most chunks start apart compares
     each chunk with those still open where it starts; a layout needing too many is refused."""
     dim = max(range(len(boxes[0][1])), key=lambda d: len({b[1][d] for b in boxes}))
-    # Read through the package, where it lived before the split and where tests still lower it.
     budget = _MAX_COMPARISONS
     open_boxes: list[Box] = []
     for box in sorted(boxes, key=lambda b: b[1][dim]):

@@ -1,5 +1,5 @@
 """The retry loop itself (`Calls._retrying`), with fake attempts: fresh windows for reads that
-make progress, failing fast once a window ran out, one warning per request. No server."""
+make progress, failing fast once a window ran out, retries logged at INFO. No server."""
 
 from __future__ import annotations
 
@@ -71,8 +71,8 @@ def test_once_a_window_ran_out_the_next_requests_fail_fast_until_one_succeeds() 
     asyncio.run(scenario())
 
 
-def test_only_the_first_retry_of_a_request_warns(caplog: pytest.LogCaptureFixture) -> None:
-    """A window holds tens of attempts; one WARNING per request says what is going on."""
+def test_retries_are_logged_at_info(caplog: pytest.LogCaptureFixture) -> None:
+    """A window holds tens of attempts; they go to INFO (the CLI's -v), never WARNING."""
     requests = requests_for(retry_timeout=0.5)
 
     async def attempt() -> None:
@@ -81,6 +81,5 @@ def test_only_the_first_retry_of_a_request_warns(caplog: pytest.LogCaptureFixtur
     with caplog.at_level(logging.INFO, logger="s3ckpt.engine"), pytest.raises(StorageError):
         asyncio.run(requests._retrying("put_object", "b", "k", attempt))
     retries = [r for r in caplog.records if "retrying in" in r.getMessage()]
-    assert [r.levelno for r in retries[:2]] == [logging.WARNING, logging.INFO]
-    assert sum(r.levelno == logging.WARNING for r in retries) == 1
+    assert len(retries) > 1 and {r.levelno for r in retries} == {logging.INFO}
     assert "for up to 0.5 s" in retries[0].getMessage()

@@ -1,0 +1,211 @@
+"""``s3ckpt serve`` and ``s3ckpt mb``, a user's first steps: the server runs as its own process,
+and what it prints is used from others, as a user pastes it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import psutil
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from botocore.config import Config
+
+from s3ckpt import BucketNotFound, S3Writer
+from s3ckpt.cli import main
+from s3ckpt.tools.localserver import SeaweedFS, free_port
+from tests.conftest import Cli, S3Env, make_env
+from tests.helpers import raised
+
+_SETTINGS = {"AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION"}
+_SERVE = [sys.executable, "-m", "s3ckpt", "serve"]
+_STOP_WAIT_S = 30
+
+
+@contextlib.contextmanager
+def serving(
+    workdir: Path, port: int, *extra: str
+) -> Iterator[tuple[subprocess.Popen[str], dict[str, Any]]]:
+    """``s3ckpt serve --json`` and the settings it printed; SIGTERM at the end if still up."""
+    command = [*_SERVE, "--dir", str(workdir), "--port", str(port), "--json", *extra]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        line = proc.stdout.readline()
+        assert line, f"serve exited with {proc.wait()}: {proc.stderr.read()}"
+        yield proc, json.loads(line)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(_STOP_WAIT_S)
+
+
+def client(settings: dict[str, Any]) -> Any:
+    """A plain boto3 client configured from nothing but what serve printed."""
+    return boto3.session.Session().client(
+        "s3",
+        endpoint_url=settings["AWS_ENDPOINT_URL"],
+        region_name=settings["AWS_REGION"],
+        aws_access_key_id=settings["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=settings["AWS_SECRET_ACCESS_KEY"],
+        config=Config(s3={"addressing_style": "path"}),
+    )
+
+
+def s3ckpt_with(settings: dict[str, Any], *argv: str) -> subprocess.CompletedProcess[str]:
+    """The CLI in another process, its environment set as by pasting serve's export lines."""
+    env = os.environ | {k: v for k, v in settings.items() if k in _SETTINGS}
+    command = [sys.executable, "-m", "s3ckpt", *argv]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+
+
+def stop(proc: subprocess.Popen[str], sig: signal.Signals, port: int) -> None:
+    """Signal serve; it must exit 0 with weed gone and the S3 port free again."""
+    weeds = psutil.Process(proc.pid).children(recursive=True)
+    assert [p.name() for p in weeds] == ["weed"]
+    proc.send_signal(sig)
+    assert proc.wait(_STOP_WAIT_S) == 0
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in weeds)
+    with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", port)):
+        pass
+    with socket.socket() as sock:  # as a server binds it (Go sets SO_REUSEADDR too)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+
+
+def test_serve_prints_settings_that_work_elsewhere_and_stops_cleanly(tmp_path: Path) -> None:
+    port, bucket = free_port(), f"t-{uuid.uuid4().hex[:12]}"
+    with serving(tmp_path / "data", port, "--bucket", bucket) as (proc, settings):
+        assert settings["AWS_ENDPOINT_URL"] == f"http://127.0.0.1:{port}"
+        assert set(settings) == {*_SETTINGS, "dir", "bucket"}
+        assert (settings["dir"], settings["bucket"]) == (str(tmp_path / "data"), bucket)
+        made = s3ckpt_with(settings, "--json", "mb", f"s3://{bucket}")
+        assert made.returncode == 0, made.stderr
+        assert json.loads(made.stdout)["created"] is False  # serve made it
+        client(settings).put_object(Bucket=bucket, Key="run/a", Body=b"kept")
+        stop(proc, signal.SIGINT, port)
+    assert proc.stderr is not None and "Ctrl-C" in proc.stderr.read()
+
+    # The same --dir again, stopped by SIGTERM this time: the bucket and object are still there.
+    with serving(tmp_path / "data", port) as (proc, settings):
+        assert settings["bucket"] is None
+        assert client(settings).get_object(Bucket=bucket, Key="run/a")["Body"].read() == b"kept"
+        stop(proc, signal.SIGTERM, port)
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [_SERVE, [sys.executable, "-m", "s3ckpt.tools.serve"]],
+    ids=["s3ckpt-serve", "python-m-serve"],
+)
+def test_serve_on_a_taken_port_fails_naming_it(tmp_path: Path, entry: list[str]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        command = [*entry, "--dir", str(tmp_path), "--port", str(port)]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert f"port {port} " in done.stderr and "--port" in done.stderr
+    assert done.stdout == ""
+    assert not (tmp_path / "weed.log").exists()  # weed was never started
+
+
+def test_the_local_server_module_does_not_import_torch() -> None:
+    probe = "import sys, s3ckpt.tools.serve; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert done.stdout == "False\n", done.stderr
+
+
+def test_mb_creates_the_bucket_and_again_says_it_exists(s3: S3Env, cli: Cli) -> None:
+    name = f"t-{uuid.uuid4().hex[:12]}"
+    try:
+        assert cli("mb", f"s3://{name}")[:2] == (0, f"created s3://{name}\n")
+        s3.client.head_bucket(Bucket=name)
+        assert cli("mb", f"s3://{name}/")[:2] == (0, f"s3://{name} exists\n")
+        code, out, _ = cli("--json", "mb", f"s3://{name}")
+        assert code == 0
+        assert json.loads(out) == {"bucket": name, "url": f"s3://{name}", "created": False}
+    finally:
+        s3.client.delete_bucket(Bucket=name)
+    code, out, _ = cli("--json", "mb", f"s3://{name}")
+    assert code == 0 and json.loads(out)["created"] is True
+    s3.client.delete_bucket(Bucket=name)
+
+
+@pytest.mark.parametrize("s3", ["moto"], indirect=True)
+def test_mb_takes_a_bucket_not_a_prefix(cli: Cli) -> None:
+    code, _, err = cli("mb", "s3://some-bucket/run7")
+    assert code == 2 and "s3://some-bucket" in err and "not a prefix" in err
+
+
+class _WithStranger(SeaweedFS):
+    """SeaweedFS with a second identity allowed only its own bucket."""
+
+    def _identities(self) -> dict[str, object]:
+        identities = super()._identities()
+        stranger = {"accessKey": "stranger", "secretKey": "stranger-secret-key"}
+        actions = [f"{a}:stranger-own" for a in ("Read", "Write", "List", "Admin")]
+        identities["identities"].append(  # type: ignore[attr-defined]
+            {"name": "stranger", "credentials": [stranger], "actions": actions}
+        )
+        return identities
+
+
+def test_mb_of_a_bucket_someone_else_owns_fails_saying_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with _WithStranger(tmp_path) as server:
+        admin = server.endpoint
+        theirs = f"t-{uuid.uuid4().hex[:12]}"
+        owner = make_env(
+            "seaweedfs", admin.endpoint_url, admin.access_key_id, admin.secret_access_key
+        )
+        owner.client.create_bucket(Bucket=theirs)
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "stranger")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "stranger-secret-key")
+        code = main(["--endpoint-url", admin.endpoint_url, "mb", f"s3://{theirs}"])
+        _, err = capsys.readouterr()
+        assert code == 1
+        assert f"cannot use bucket s3://{theirs}" in err and "someone else" in err
+        assert "stranger-secret-key" not in err
+        # Its own bucket it may create, and make again.
+        assert main(["--endpoint-url", admin.endpoint_url, "mb", "s3://stranger-own"]) == 0
+        assert main(["--endpoint-url", admin.endpoint_url, "mb", "s3://stranger-own"]) == 0
+        assert capsys.readouterr().out.splitlines() == [
+            "created s3://stranger-own",
+            "s3://stranger-own exists",
+        ]
+
+
+def test_a_save_to_a_missing_bucket_says_how_to_create_it(s3: S3Env, cli: Cli) -> None:
+    name = f"t-{uuid.uuid4().hex[:12]}"
+    state = {"w": torch.arange(6.0)}
+
+    def save() -> None:
+        dcp.save(state, storage_writer=S3Writer(f"s3://{name}/run/step-1", config=s3.config()))
+
+    error = raised(save)
+    assert isinstance(error, BucketNotFound), error
+    assert f"create it with `s3ckpt mb s3://{name}`" in str(error)
+    # Following the advice is enough.
+    try:
+        assert cli("mb", f"s3://{name}")[0] == 0
+        save()
+        keys = [o["Key"] for o in s3.client.list_objects_v2(Bucket=name)["Contents"]]
+        assert "run/step-1/.metadata" in keys
+    finally:
+        for key in [o["Key"] for o in s3.client.list_objects_v2(Bucket=name).get("Contents", [])]:
+            s3.client.delete_object(Bucket=name, Key=key)
+        s3.client.delete_bucket(Bucket=name)
