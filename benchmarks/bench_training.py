@@ -8,8 +8,8 @@ bound everything). Modes run interleaved, repetitions of all modes in turn, medi
 - ``none``: the same steps without checkpoints (the baseline);
 - ``sync``: ``dcp.save`` with `S3Writer`;
 - ``thread`` / ``process``: ``dcp.async_save`` with `S3Writer`, THREAD or PROCESS checkpointer;
-- ``thread-nice``: THREAD with the storage layer's threads at nice 10 (a candidate: does a lower
-  scheduling priority for them give the trainer its core back?);
+- ``thread-nice0``: THREAD with the storage layer's threads at the trainer's priority
+  (``S3CKPT_IO_NICE=0``; by default they run at nice +10, see `s3ckpt.engine.bridge`);
 - ``raw``: the floor: the same tensors copied into kept CPU buffers and uploaded by a plain
   aiobotocore client from a background thread (no DCP, no checksums, no commit);
 - ``s3torchconnector`` / ``fsspec``: the peers' DCP writers (``S3StorageWriter``, torch's
@@ -46,7 +46,7 @@ from s3ckpt.config import MiB, S3Config
 from .common import GB, RESULTS, ROOT, Endpoint, format_table, machine_info, median, s3_endpoint
 
 MODES = (
-    "none", "sync", "thread", "thread-nice", "process", "raw", "s3torchconnector", "fsspec"
+    "none", "sync", "thread", "thread-nice0", "process", "raw", "s3torchconnector", "fsspec"
 )  # fmt: skip
 _PEER_PACKAGES = {"s3torchconnector": "s3torchconnector", "fsspec": "s3fs"}
 _KEY_ENV, _SECRET_ENV = "S3CKPT_BENCH_ACCESS_KEY", "S3CKPT_BENCH_SECRET_KEY"
@@ -126,6 +126,8 @@ def _child(
     if endpoint.region:
         command += ["--region", endpoint.region]
     env = os.environ | {_KEY_ENV: endpoint.access_key_id, _SECRET_ENV: endpoint.secret_access_key}
+    if mode == "thread-nice0":
+        env["S3CKPT_IO_NICE"] = "0"
     try:
         done = subprocess.run(
             command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800

@@ -39,18 +39,6 @@ __all__ = ["PEER_MODES", "run"]
 PEER_MODES = ("s3torchconnector", "fsspec")
 
 
-_IO_NICE = 10
-
-
-def _lower_priority_of_other_threads(nice: int) -> None:
-    """Every thread but the trainer's at ``nice`` (Linux: a thread is a task with its own nice;
-    threads started later inherit it from the thread that starts them)."""
-    main = threading.main_thread().native_id
-    for task in os.listdir("/proc/self/task"):
-        if int(task) != main:
-            os.setpriority(os.PRIO_PROCESS, int(task), nice)
-
-
 def _peer_writer(mode: str, config: S3Config, bucket: str) -> Any:
     """A peer's writer; peers take the endpoint and keys from the environment only."""
     from . import peers
@@ -232,7 +220,7 @@ def _timed(
     for _ in range(3):  # optimizer state exists, caches are warm
         step()
     run_url = f"s3://{args.bucket}/{mode}-{os.getpid()}-{interval}"
-    s3ckpt_async = ("thread", "thread-nice", "process")
+    s3ckpt_async = ("thread", "thread-nice0", "process")
     writer: Any = S3Writer(run_url, config=config) if mode in s3ckpt_async else None
     if mode in PEER_MODES:
         writer = _peer_writer(mode, config, args.bucket)
@@ -279,8 +267,6 @@ def _timed(
     if mode != "none":
         checkpoint("warm-up")
         durable()
-    if mode == "thread-nice":
-        _lower_priority_of_other_threads(_IO_NICE)
     blocking = 0.0
     model_state, optim_state = get_state_dict(model, optimizer)
     tensors = _tensors({"model": model_state, "optim": optim_state}).values()

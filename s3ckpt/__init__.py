@@ -1,11 +1,12 @@
 """s3ckpt: torch.distributed.checkpoint storage on S3-compatible object stores.
 
+mgr = CheckpointManager("s3://bucket/run7", keep_last=3, every=100)  # a run's checkpoints
 fut = dcp.async_save(state_dict, storage_writer=S3Writer("bucket", prefix="run7/step-1000"))
 S3Writer("bucket", prefix="run7/step-1000", options=WriteOptions(compression="zstd"))
 dcp.load(state_dict, storage_reader=S3Reader("bucket", prefix="run7/step-1000"))
 
-The writer and reader are imported on first use (PEP 562), because they import torch, which
-takes seconds: ``import s3ckpt`` and the CLI's light commands stay fast.
+The manager, writer and reader are imported on first use (PEP 562), because they import torch,
+which takes seconds: ``import s3ckpt`` and the CLI's light commands stay fast.
 """
 
 from __future__ import annotations
@@ -37,12 +38,14 @@ from .errors import (
 if TYPE_CHECKING:
     from .dcp.reader import S3Reader
     from .dcp.writer import S3Writer
+    from .tools.manager import CheckpointManager
 
 __all__ = [
     "AccessDenied",
     "BucketNotFound",
     "CheckpointError",
     "CheckpointExists",
+    "CheckpointManager",
     "CheckpointNotFound",
     "CheckpointReplaced",
     "ChecksumMismatch",
@@ -64,11 +67,15 @@ __all__ = [
 
 __version__ = "0.1.0"
 
-_LAZY = {"S3Reader": "s3ckpt.dcp.reader", "S3Writer": "s3ckpt.dcp.writer"}
+_LAZY = {
+    "CheckpointManager": "s3ckpt.tools.manager",
+    "S3Reader": "s3ckpt.dcp.reader",
+    "S3Writer": "s3ckpt.dcp.writer",
+}
 
 
 def __getattr__(name: str) -> Any:
-    """Imports the writer or reader (and so torch) when it is first asked for."""
+    """Imports the manager, writer or reader (and so torch) when it is first asked for."""
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 's3ckpt' has no attribute {name!r}")

@@ -18,6 +18,7 @@ from .base import (
     EXIT_ERROR,
     EXIT_NOT_FOUND,
     EXIT_OK,
+    EXIT_USAGE,
     URL,
     Session,
     arg,
@@ -33,6 +34,7 @@ from .base import (
 
 if TYPE_CHECKING:
     from ..tools.catalog import CheckpointInfo, GcReport, Removal
+    from ..tools.retention import Retention
 
 _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
@@ -207,30 +209,53 @@ def _at_least_one(text: str) -> int:
 
 @command(
     "prune",
-    "delete all but the newest N committed checkpoints under URL (incomplete ones: see gc)",
+    "delete the committed checkpoints under URL that a run's retention policy (CheckpointManager's)"
+    " does not keep: the newest N, and every step that is a multiple of K; the newest is always "
+    "kept, checkpoints without a step number too, and incomplete ones are gc's",
     URL,
-    arg("--keep", type=_at_least_one, required=True, metavar="N", help="how many to keep"),
+    arg(
+        "--keep-last",
+        "--keep",
+        type=_at_least_one,
+        metavar="N",
+        help="keep the N newest checkpoints (--keep is the older spelling)",
+    ),
+    arg("--keep-every", type=_at_least_one, metavar="K", help="also keep every K-th step"),
     destructive=_always,
 )
 def _prune(session: Session) -> int:
     from ..tools import catalog
+    from ..tools.retention import Retention
 
     args, declined = session.args, False
+    if args.keep_last is None and args.keep_every is None:
+        return fail("prune: say what to keep: --keep-last N, --keep-every K or both", EXIT_USAGE)
+    retention = Retention(keep_last=args.keep_last, keep_every=args.keep_every)
 
     def ask(victims: list[CheckpointInfo]) -> bool:
         nonlocal declined
         listing = "\n".join(f"  {v.url}  ({human_size(v.total_bytes)})" for v in victims)
-        question = f"Delete these {len(victims)} checkpoints, keeping {args.keep}?\n{listing}\n"
-        declined = not session.confirm(question)
+        question = f"Delete these {len(victims)} checkpoints, keeping {_kept(retention)}?"
+        declined = not session.confirm(f"{question}\n{listing}\n")
         return not declined
 
     with session.progress() as progress:
-        deleted = catalog.prune(args.url, args.keep, session.config, confirm=ask, progress=progress)
+        deleted = catalog.prune(
+            args.url, retention.kept, session.config, confirm=ask, progress=progress
+        )
     if declined:
         return fail("not confirmed; nothing was deleted", EXIT_ERROR)
     text = "\n".join(f"deleted {i.url}" for i in deleted) or "nothing to prune"
     session.emit([as_plain(i) for i in deleted], text)
     return EXIT_OK
+
+
+def _kept(retention: Retention) -> str:
+    """The policy in words, for the prompt."""
+    rules = ["the newest"] if retention.keep_last is None else [f"the {retention.keep_last} newest"]
+    if retention.keep_every is not None:
+        rules.append(f"every step that is a multiple of {retention.keep_every}")
+    return " and ".join(rules)
 
 
 def _duration(text: str) -> timedelta:

@@ -6,6 +6,13 @@ already runs an event loop, where ``asyncio.run`` fails. So all of s3ckpt's I/O 
 event loop per process, on a daemon thread started on first use. Clients and semaphores live on that
 loop, which is why one concurrency bound holds per process. After ``fork`` the child starts a fresh
 loop; at interpreter exit registered closers run (closing HTTP sessions) before the loop stops.
+
+On Linux the loop's thread, and the worker threads it starts (they inherit it), run at a lower
+priority than training: ``nice`` +10 by default, ``S3CKPT_IO_NICE`` to change it (0: off). The
+storage layer then never preempts a training step that wants the core, and takes its CPU in
+longer turns; on one busy core that halved the training time a background save costs
+(`benchmarks/bench_training.py`, mode ``thread-nice``). Uploads only slow down when every core
+is busy with other work.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import atexit
 import concurrent.futures
 import contextlib
 import os
+import sys
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any, TypeVar
@@ -27,6 +35,7 @@ _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
 _thread: threading.Thread | None = None
 _closers: list[Callable[[], Awaitable[None]]] = []
+_IO_NICE = 10
 
 
 def _get_loop() -> asyncio.AbstractEventLoop:
@@ -34,10 +43,24 @@ def _get_loop() -> asyncio.AbstractEventLoop:
     with _lock:
         if _loop is None:
             loop = asyncio.new_event_loop()
-            thread = threading.Thread(target=loop.run_forever, name="s3ckpt-io", daemon=True)
+            thread = threading.Thread(target=_serve, args=(loop,), name="s3ckpt-io", daemon=True)
             thread.start()
             _loop, _thread = loop, thread
         return _loop
+
+
+def _serve(loop: asyncio.AbstractEventLoop) -> None:
+    _lower_priority(int(os.environ.get("S3CKPT_IO_NICE", _IO_NICE)))
+    loop.run_forever()
+
+
+def _lower_priority(nice: int) -> None:
+    """This thread (a Linux task of its own) ``nice`` steps below the process's priority."""
+    if nice <= 0 or not hasattr(os, "setpriority") or not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError):
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
 
 
 def submit(coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:

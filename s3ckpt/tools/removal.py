@@ -14,7 +14,7 @@ only then delete. The I/O runs on the `bridge` loop through the shared `ObjectSt
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -35,7 +35,7 @@ from ..format.layout import Location
 from . import scan
 from .scan import CheckpointInfo, Progress
 
-__all__ = ["GcReport", "Removal", "delete", "gc", "prune"]
+__all__ = ["GcReport", "Removal", "StepPolicy", "delete", "gc", "prune"]
 
 log = logging.getLogger(__name__)
 
@@ -97,17 +97,22 @@ def delete(
     return bridge.run(_remove(store, location, [target], progress, guarded=False))[0]
 
 
+StepPolicy = Callable[[list[int]], Collection[int]]
+"""Given the steps of a run's committed checkpoints, the steps to keep (`Retention.kept`)."""
+
+
 def prune(
     url: str,
-    keep: int,
+    keep: int | StepPolicy,
     config: S3Config | None = None,
     *,
     confirm: Callable[[list[CheckpointInfo]], bool] | None = None,
     progress: Progress | None = None,
 ) -> list[CheckpointInfo]:
-    """Delete all but the newest ``keep`` (>= 1) committed checkpoints under ``url``; returns
-    those deleted. Incomplete ones are left to `gc`: they may be saves in progress."""
-    if keep < 1:
+    """Delete all but the newest ``keep`` (>= 1) committed checkpoints under ``url``, or, with a
+    `StepPolicy`, those whose step it does not keep (never the newest, nor one without a step);
+    returns those deleted. Incomplete ones are left to `gc`: they may be saves in progress."""
+    if isinstance(keep, int) and keep < 1:
         raise ConfigError(f"keep must be >= 1 (the latest checkpoint is never pruned), got {keep}")
     location, store = scan.location_of(url), get_store(config)
     plan = bridge.run(_plan_prune(store, location, keep))
@@ -183,10 +188,16 @@ async def _plan_delete(store: ObjectStore, location: Location) -> _Target:
 
 
 async def _plan_prune(
-    store: ObjectStore, location: Location, keep: int
+    store: ObjectStore, location: Location, keep: int | StepPolicy
 ) -> list[tuple[CheckpointInfo, _Target]]:
     committed = [f for f in await scan.survey(store, location) if f.info.committed]
-    victims = sorted(committed, key=lambda f: scan.newness(f.info), reverse=True)[keep:]
+    newest_first = sorted(committed, key=lambda f: scan.newness(f.info), reverse=True)
+    if isinstance(keep, int):
+        victims = newest_first[keep:]
+    else:
+        kept = set(keep([f.info.step for f in newest_first if f.info.step is not None]))
+        stepped = [f for f in newest_first[1:] if f.info.step is not None]
+        victims = [f for f in stepped if f.info.step not in kept]
     if not victims:
         return []
     uploads = await scan.uploads(store, location)

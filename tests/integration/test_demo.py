@@ -1,4 +1,4 @@
-"""The demo, shortened: kill mid-upload, gc, resume, and exact continuation on SeaweedFS."""
+"""The demo, shortened: kill mid-upload, gc, resume, retention, exact continuation (SeaweedFS)."""
 
 from __future__ import annotations
 
@@ -25,11 +25,13 @@ def test_a_short_demo_resumes_exactly_and_draws_its_timeline(
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3.secret_access_key)
     out = tmp_path / "timeline.png"
     argv = ["--endpoint-url", s3.endpoint_url, "--bucket", bucket, "--out", str(out)]
-    code = main([*argv, "--steps", "4", "--every", "2", "--batch", "2"])
+    code = main([*argv, "--steps", "6", "--every", "2", "--batch", "2", "--keep-last", "2"])
     text = capsys.readouterr().out
     assert code == 0, text
     assert "exact continuation: YES — resumed after step 2;" in text
+    # The manager kept the newest two of steps 2, 4 and 6, in both runs.
     assert "2/2 checkpoints bitwise-equal" in text
+    assert "kept steps [4, 6], deleted [2] after later commits" in text
     assert "SIGKILL after step" in text and "first (killed)" in text
     removed = re.search(r"gc .*: deleted (\d+) objects .*, aborted (\d+) multipart", text)
     assert removed is not None and int(removed[1]) + int(removed[2]) > 0  # the killed save's

@@ -233,6 +233,7 @@ def test_the_light_commands_import_no_torch(s3: S3Env, bucket: str, runs: None) 
         ["info", url],
         ["verify", url],
         ["gc", f"s3://{bucket}", "--dry-run"],
+        ["prune", f"s3://{bucket}/{NESTED.rpartition('/')[0]}", "--keep-last", "5", "--yes"],
     ]
     script = (
         "import json, sys\n"

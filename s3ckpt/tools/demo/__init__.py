@@ -3,11 +3,12 @@
 ``python -m s3ckpt.tools.demo`` (``make demo``). With no endpoint configured (``--endpoint-url`` or
 ``AWS_ENDPOINT_URL[_S3]``) it starts a local SeaweedFS server and stops it at the end. The story:
 
-1. a training process (`train`) checkpoints every few steps with ``dcp.async_save`` through one
-   `S3Writer`, and is SIGKILLed while one of its checkpoints is uploading;
+1. a training process (`train`) checkpoints every few steps with a `CheckpointManager`
+   (``mgr.save`` in the background, the newest ``--keep-last`` kept), and is SIGKILLed while one
+   of its checkpoints is uploading;
 2. ``catalog.gc`` spares the killed save while its lease is live, and with ``break_leases``
    (the writer is known dead) removes what it left behind;
-3. a new process finds the latest committed checkpoint (``catalog.latest``) and resumes from it;
+3. a new process restores the newest committed checkpoint (``mgr.restore``) and resumes from it;
 4. the same training runs once more without interruption, as the reference;
 
 and the two runs must agree exactly: every loss, and every checkpoint bit for bit. It prints a
@@ -47,6 +48,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--every", type=int, default=10, help="checkpoint every N steps (10)")
     parser.add_argument("--batch", type=int, default=8, help="sequences per step (default: 8)")
     parser.add_argument(
+        "--keep-last",
+        type=int,
+        default=3,
+        help="checkpoints the manager keeps, the newest (default: 3)",
+    )
+    parser.add_argument(
         "--kill-at", type=int, help="the checkpoint step to kill during (default: about 2/3 in)"
     )
     parser.add_argument("--out", default="demo-timeline.png", help="the timeline picture")
@@ -65,6 +72,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error("--steps must allow at least 2 checkpoints (--steps >= 2 x --every)")
     if args.kill_at is None:
         args.kill_at = args.every * max(2, round(saves * 2 / 3))
+    if args.keep_last < 1:
+        parser.error("--keep-last must be at least 1")
     if args.kill_at % args.every or not 2 * args.every <= args.kill_at <= args.steps:
         parser.error("--kill-at must be a checkpoint step after the first one")
     if importlib.util.find_spec("matplotlib") is None:
@@ -110,12 +119,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.child == "train":
-        train(args.url, args.steps, args.every, args.batch)
+        train(args.url, args.steps, args.every, args.batch, args.keep_last)
         return 0
     _check(parser, args)
     print(
-        f"s3ckpt demo: {args.steps} steps of a small transformer LM on the CPU, an async "
-        f"checkpoint every {args.every}, a kill during the checkpoint of step {args.kill_at}"
+        f"s3ckpt demo: {args.steps} steps of a small transformer LM on the CPU, a background "
+        f"checkpoint every {args.every} (the newest {args.keep_last} kept), a kill during the "
+        f"checkpoint of step {args.kill_at}"
     )
     with _endpoint(args) as (config, env, local):
         try:

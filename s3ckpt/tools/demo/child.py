@@ -10,6 +10,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from ..retention import step_name
+
 __all__ = ["Child", "DemoError"]
 
 
@@ -73,19 +75,18 @@ class Child:
         if kind == "resume":
             load = event["t1"] - event["t0"]
             print(
-                f"{tag} latest committed: {event['url']}; resumed after step {event['step']}"
-                f" (load {load:.2f} s)"
+                f"{tag} mgr.restore loaded the newest committed checkpoint, {event['url']}; "
+                f"resuming after step {event['step']} (load {load:.2f} s)"
             )
         elif kind == "save":
             loss = self.of("step")[-1]["loss"]
             stall = (event["t1"] - event["t0"]) * 1e3
             print(
-                f"{tag} step {event['step']:4d}  loss {loss:.4f}  async_save of "
-                f"step-{event['step']:05d} started; training blocked {stall:.0f} ms"
+                f"{tag} step {event['step']:4d}  loss {loss:.4f}  mgr.save: "
+                f"{step_name(event['step'])} started; training blocked {stall:.0f} ms"
             )
         elif kind == "saved":
             save = next(e for e in self.of("save") if e["step"] == event["step"])
-            outcome = "committed" if event["ok"] else "FAILED"
             upload = event["t"] - save["t1"]
-            print(f"{tag} step-{event['step']:05d} {outcome} after a {upload:.2f} s upload")
+            print(f"{tag} {step_name(event['step'])} committed after a {upload:.2f} s upload")
         sys.stdout.flush()

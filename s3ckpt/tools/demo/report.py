@@ -21,7 +21,8 @@ _COLORS = {"first": "tab:blue", "restarted": "tab:green"}
 
 def table(first: Child, restarted: Child, stored: dict[int, int]) -> str:
     """One row per save of the interrupted run. ``stored`` is what the catalog counts per step
-    (data objects and ``.metadata``): no compression yet, so it is the state plus the record."""
+    (data objects and ``.metadata``): no compression yet, so it is the state plus the record; a
+    committed step missing from it was deleted by the manager's retention."""
     header = ["step", "run", "stall ms", "upload s", "MB/s", "state MB", "stored MB"]
     rows = []
     for child in (first, restarted):
@@ -35,7 +36,7 @@ def table(first: Child, restarted: Child, stored: dict[int, int]) -> str:
                 run, kept = child.role, stored.get(step)
             else:
                 timing, run, kept = ["killed", "-"], f"{child.role} (killed)", None
-            size = "-" if kept is None else f"{kept / _MB:.2f}"
+            size = f"{kept / _MB:.2f}" if kept is not None else "pruned" if step in done else "-"
             rows.append([str(step), run, stall, *timing, f"{state / _MB:.2f}", size])
     widths = [max(len(cell) for cell in column) for column in zip(header, *rows, strict=True)]
     lines = [
@@ -106,7 +107,7 @@ def _lanes(axes: Axes, first: Child, restarted: Child, gc_window: tuple[float, f
     legend = [
         Patch(color="tab:blue", label="first process"),
         Patch(color="tab:green", label="restarted process"),
-        Patch(color="tab:orange", label="async_save blocks training"),
+        Patch(color="tab:orange", label="mgr.save blocks training"),
         Patch(facecolor="tab:red", alpha=0.55, hatch="//", label="upload cut by SIGKILL"),
     ]
     axes.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)

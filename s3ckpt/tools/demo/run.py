@@ -18,6 +18,7 @@ from ...engine import bridge
 from ...engine.contract import ObjectStore
 from ...engine.store import get_store
 from .. import catalog
+from ..retention import step_name
 from . import report
 from .child import Child, DemoError
 
@@ -109,6 +110,12 @@ class Demo:
         }
         print(f"\nCheckpoints of the interrupted run ({self.train_url}):")
         print(report.table(first, restarted, stored))
+        committed = sorted({e["step"] for child in (first, restarted) for e in child.of("saved")})
+        pruned = [step for step in committed if step not in stored]
+        print(
+            f"retention (keep_last={self.args.keep_last}): kept steps {sorted(stored)}, "
+            f"deleted {pruned or 'none'} after later commits"
+        )
         out = Path(self.args.out).resolve()
         report.timeline(out, first, restarted, reference, self.gc_window)
         if not (self.local or self.args.keep):
@@ -120,7 +127,8 @@ class Demo:
     def _start(self, role: str, url: str, *, quiet: bool = False) -> Child:
         args = self.args
         argv = ["--url", url, "--steps", str(args.steps), "--every", str(args.every)]
-        child = Child(role, [*argv, "--batch", str(args.batch)], self.env, quiet=quiet)
+        argv += ["--batch", str(args.batch), "--keep-last", str(args.keep_last)]
+        child = Child(role, argv, self.env, quiet=quiet)
         self.children.append(child)
         return child
 
@@ -140,7 +148,7 @@ class Demo:
         reached = child.of("step")[-1]["step"]
         print(
             f"  [first] SIGKILL after step {reached}: {open_uploads} multipart upload(s) of "
-            f"step-{step:05d} open, {uploaded / 1e6:.1f} MB of their parts on the server"
+            f"{step_name(step)} open, {uploaded / 1e6:.1f} MB of their parts on the server"
         )
         left = [i for i in catalog.list_checkpoints(self.train_url, self.config) if i.step == step]
         if not left or left[0].committed:
@@ -156,7 +164,7 @@ class Demo:
     def _wait_for_upload(self, child: Child, step: int) -> tuple[int, int]:
         """Poll until parts of the save of ``step`` have reached the server while it still has
         uploads open; how many uploads are open, and the bytes of their parts."""
-        bucket, prefix = parse_s3_url(f"{self.train_url}/step-{step:05d}")
+        bucket, prefix = parse_s3_url(f"{self.train_url}/{step_name(step)}")
         deadline = time.monotonic() + _CATCH_TIMEOUT_S
         while time.monotonic() < deadline and child.proc.poll() is None:
             found = bridge.run(_in_flight(self.store, bucket, prefix))

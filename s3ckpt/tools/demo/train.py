@@ -1,39 +1,45 @@
-"""The training process: a small causal LM on Python's help texts, checkpointed with async_save.
+"""The training process: a small causal LM on Python's help texts, checkpointed by a
+`CheckpointManager`.
 
 It runs as ``python -m s3ckpt.tools.demo --child train --url s3://bucket/run ...`` so that the
-demo can SIGKILL it. On start it resumes from the latest committed checkpoint under the URL, if
-there is one. It reports every step, save and resume as one JSON line on stdout (`Events`); the
-parent reads them to time the run, to know when an upload is under way, and to compare loss curves.
+demo can SIGKILL it. On start it restores the newest committed checkpoint under the URL, if there
+is one. It reports every step, save and resume as one JSON line on stdout (`Events`); the parent
+reads them to time the run, to know when an upload is under way, and to compare loss curves.
 
 Exact continuation needs everything a step depends on in the checkpoint: the model, the optimizer
 (moments and step counts), the data order (the batch generator's state) and the global RNG, plus
-the same arithmetic, hence one thread and deterministic algorithms.
+the same arithmetic, hence one thread and deterministic algorithms. `Training` holds them as one
+DCP ``Stateful``: DCP asks it for its state when a save starts and hands it back after a load.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.checkpoint.state_dict_loader import load
-from torch.distributed.checkpoint.state_dict_saver import async_save
+from torch.distributed.checkpoint.stateful import Stateful
 
-from ... import S3Reader, S3Writer
-from .. import catalog
+from ... import CheckpointManager
+from ...engine import bridge
+from ...engine.contract import ObjectStore
+from ...engine.store import get_store
+from ...format.layout import Location
+from ..retention import step_name
 
-__all__ = ["Batches", "TinyLM", "corpus", "train"]
+__all__ = ["Batches", "TinyLM", "Training", "corpus", "train"]
 
 CONTEXT = 64
 SEED = 0
+_POLL_S = 0.01
 
 
 class TinyLM(nn.Module):
@@ -102,24 +108,41 @@ class Events:
             sys.stdout.flush()
 
 
-def training_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer, batches: Batches, step: int
-) -> dict[str, Any]:
-    """Everything the next step depends on; also the template a resume loads into."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    return {
-        "model": model_sd,
-        "optim": optim_sd,
-        "data": batches.state_dict(),
-        "rng": torch.get_rng_state(),
-        "step": step,
-    }
+class Training(Stateful):
+    """Everything the next step depends on, as one DCP ``Stateful``: a save asks for it when it
+    starts (so one state dict serves every save), a restore hands what it loaded back."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, batches: Batches):
+        self.model = model
+        self.optimizer = optimizer
+        self.batches = batches
+
+    def state_dict(self) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {
+            "model": model_sd,
+            "optim": optim_sd,
+            "data": self.batches.state_dict(),
+            "rng": torch.get_rng_state(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state_dict["model"],
+            optim_state_dict=state_dict["optim"],
+        )
+        self.batches.load_state_dict(state_dict["data"])
+        torch.set_rng_state(state_dict["rng"])
 
 
 def state_bytes(state: Any) -> int:
     """Bytes of the tensors in ``state``: what a save has to move, before any compression."""
     if isinstance(state, torch.Tensor):
         return state.numel() * state.element_size()
+    if isinstance(state, Stateful):
+        return state_bytes(state.state_dict())
     if isinstance(state, dict):
         return sum(state_bytes(value) for value in state.values())
     if isinstance(state, (list, tuple)):
@@ -127,68 +150,64 @@ def state_bytes(state: Any) -> int:
     return 0
 
 
-def _resume(
-    url: str, model: nn.Module, optimizer: torch.optim.Optimizer, batches: Batches, emit: Events
-) -> int:
-    """Load the latest committed checkpoint under ``url``; the step to continue after (0: none)."""
-    found = catalog.latest(url)
-    if found is None:
-        return 0
-    started = time.time()
-    state = training_state(model, optimizer, batches, 0)
-    load(state, checkpoint_id=found.url, storage_reader=S3Reader(found.url))
-    set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
-    )
-    batches.load_state_dict(state["data"])
-    torch.set_rng_state(state["rng"])
-    emit("resume", url=found.url, step=state["step"], t0=started, t1=time.time())
-    return int(state["step"])
+class Commits:
+    """When each background save commits, for the demo's timeline (instrumentation, not part of
+    a training loop): the manager tells no one, so a task on s3ckpt's loop HEADs the step's
+    ``.metadata`` every `_POLL_S` until it is there."""
+
+    def __init__(self, url: str, emit: Events) -> None:
+        self.run = Location.of(url)
+        self.store: ObjectStore = get_store()
+        self.emit = emit
+        self.watching: list[Future[None]] = []
+
+    def watch(self, step: int) -> None:
+        at = Location(self.run.bucket, self.run.key(step_name(step)))
+        self.watching.append(bridge.submit(self._until_committed(at, step)))
+
+    async def _until_committed(self, at: Location, step: int) -> None:
+        while await self.store.head(at.bucket, at.metadata_key) is None:
+            await asyncio.sleep(_POLL_S)
+        self.emit("saved", step=step)
+
+    def wait(self) -> None:
+        """Once the manager has waited for its saves, each watch ends at its next HEAD."""
+        for watching in self.watching:
+            watching.result()
 
 
-def _report_saved(emit: Events, step: int) -> Callable[[Future[Any]], None]:
-    """The save's done-callback: reports when the upload ended (from the save's thread)."""
-
-    def report(done: Future[Any]) -> None:
-        emit("saved", step=step, ok=done.exception() is None)
-
-    return report
-
-
-def train(url: str, steps: int, every: int, batch: int) -> None:
-    """Train to ``steps``, saving ``url/step-NNNNN`` every ``every`` steps with ONE writer."""
+def train(url: str, steps: int, every: int, batch: int, keep_last: int) -> None:
+    """Train to ``steps``: a checkpoint ``url/step-<step>`` every ``every`` steps, of which the
+    manager keeps the newest ``keep_last``."""
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     torch.manual_seed(SEED)
     emit = Events()
+    commits = Commits(url, emit)
     data, vocab = corpus()
     model = TinyLM(vocab)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batches = Batches(data, batch)
-    start = _resume(url, model, optimizer, batches, emit)
-    writer = S3Writer(url)  # also DCP's stager: its staging buffers are reused across saves
-    pending: Future[Any] | None = None
-    for step in range(start + 1, steps + 1):
-        started = time.time()
-        tokens = next(batches)
-        logits = model(tokens[:, :-1])
-        loss = nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-        optimizer.zero_grad()
-        loss.backward()  # type: ignore[no-untyped-call]
-        optimizer.step()
-        emit("step", step=step, loss=loss.item(), t0=started, t1=time.time())
-        if step % every:
-            continue
-        started = time.time()
-        if pending is not None:
-            pending.result()  # the writer saves one at a time; this also raises its failure
-        state = training_state(model, optimizer, batches, step)
-        future = async_save(state, checkpoint_id=f"{url}/step-{step:05d}", storage_writer=writer)
-        assert isinstance(future, Future)  # the writer stages at once: no AsyncSaveResponse
-        emit("save", step=step, t0=started, t1=time.time(), bytes=state_bytes(state))
-        future.add_done_callback(_report_saved(emit, step))
-        pending = future
-    if pending is not None:
-        pending.result()
-    writer.close()
+    state = {"training": Training(model, optimizer, batches)}
+    with CheckpointManager(url, keep_last=keep_last, every=every) as mgr:
+        began = time.time()
+        start = mgr.restore(state)  # the step it loaded, or None: the run has no checkpoint yet
+        if start is not None:
+            emit("resume", url=f"{url}/{step_name(start)}", step=start, t0=began, t1=time.time())
+        for step in range((start or 0) + 1, steps + 1):
+            began = time.time()
+            tokens = next(batches)
+            logits = model(tokens[:, :-1])
+            loss = nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+            optimizer.zero_grad()
+            loss.backward()  # type: ignore[no-untyped-call]
+            optimizer.step()
+            emit("step", step=step, loss=loss.item(), t0=began, t1=time.time())
+            began = time.time()
+            if mgr.save(step, state):  # every ``every`` steps: waits for the previous save,
+                # stages this one (the stall), and uploads it in the background
+                emit("save", step=step, t0=began, t1=time.time(), bytes=state_bytes(state))
+                commits.watch(step)
+        mgr.wait()  # the last save is durable (or raises its error)
+    commits.wait()

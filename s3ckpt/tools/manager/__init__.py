@@ -1,0 +1,369 @@
+"""`CheckpointManager`: step-numbered checkpoints of a training run, saved in the background,
+thinned out by a retention policy, and restored from the newest one that loads.
+
+The modules: `run` (listing a run, retention's deletes), `restore` (the fallback and the read
+lease), `collective` (how ranks agree); the policy itself is `tools.retention` (pure, no torch,
+shared with ``s3ckpt prune``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import signal
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from types import FrameType, TracebackType
+from typing import Any, Literal
+
+import torch.distributed as dist
+from torch.distributed.checkpoint import state_dict_saver
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.planner import LoadPlanner
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
+from ...config import S3Config, WriteOptions
+from ...dcp.writer import S3Writer
+from ...engine import bridge
+from ...errors import CheckpointError, ConfigError, S3CkptError
+from ...format.layout import Location
+from ..retention import Retention, step_name
+from . import restore as restoring
+from .collective import groups
+from .run import Run, committed, prune
+
+__all__ = ["CheckpointManager"]
+
+log = logging.getLogger(__name__)
+
+OnSignal = Literal["reraise", "exit", "return"]
+_Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
+
+
+@dataclass
+class _Pending:
+    """The save in flight: its step, and a future that completes once it has committed and
+    retention has run."""
+
+    step: int
+    future: Future[None]
+
+
+class CheckpointManager:
+    """Checkpoints of one run at ``url/step-<step>`` (the step zero-padded to 9 digits)::
+
+        mgr = CheckpointManager("s3://bucket/run7", keep_last=3, keep_every=1000, every=100)
+        start = mgr.restore(state_dict)   # the step loaded, or None: the run has no checkpoint
+        for step in range(start or 0, total):
+            ...
+            mgr.save(step, state_dict)    # in the background; a no-op unless should_save(step)
+        mgr.close()                       # waits for the last save, frees the staging buffers
+
+    Saves go through one `S3Writer` (DCP's stager: its CPU buffers are reused); at most one is
+    in flight, and the next ``save`` that saves waits for it. A background save's error is raised
+    by the next ``save()`` or ``wait()`` (``raise_on_failure=False``: logged, and the run goes on).
+
+    Retention (``keep_last`` most recent, every ``keep_every``-th step, ``keep(step)`` true; see
+    `Retention`) runs on the coordinator after each commit. It never deletes the newest committed
+    checkpoint, nor one being written or read (a live lease, see `restore.ReadLease`).
+
+    ``continuous=True`` also saves whenever no save is in flight, so the newest checkpoint is never
+    older than one upload; retention then counts only the steps of ``every`` for ``keep_last``.
+
+    ``save_on=signal.SIGTERM`` (or several signals): the handler only records the signal; the
+    next ``save()`` saves that step synchronously, whatever the schedule, then ``on_signal``:
+    ``"reraise"`` (default) puts back the handler that was there before and raises the signal
+    again, so the process does what it would have done without the manager (SIGTERM's default
+    ends it); ``"exit"`` raises ``SystemExit(128 + signal)``; ``"return"`` lets ``save()``
+    return (``signal_received`` says which). The handler is installed when the manager is built,
+    which must then be in the main thread, and removed by ``close()``.
+
+    Distributed (``torch.distributed`` initialised): every rank builds the manager and calls
+    ``save`` and ``restore`` with the same steps. Saves and loads run on a gloo group created
+    here (or ``process_group``); with ``continuous`` or ``save_on``, every ``save()`` call runs
+    one small ``all_reduce`` on a second gloo group, so that all ranks agree on whether to save
+    and on a signal. ``restore`` loads on any world size (resharding), into state dicts from
+    ``get_state_dict``; give what it loaded to ``set_state_dict``.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        every: int = 1,
+        config: S3Config | None = None,
+        compression: Literal["zstd"] | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        keep: Callable[[int], bool] | None = None,
+        continuous: bool = False,
+        save_on: int | Iterable[int] | None = None,
+        on_signal: OnSignal = "reraise",
+        raise_on_failure: bool = True,
+        sync: bool = False,
+        options: WriteOptions | None = None,
+    ) -> None:
+        if every < 1:
+            raise ConfigError(f"every must be >= 1, got {every}")
+        if on_signal not in ("reraise", "exit", "return"):
+            raise ConfigError(f"on_signal must be 'reraise', 'exit' or 'return', not {on_signal!r}")
+        location = Location.of(url)
+        self.url = location.url
+        self.every, self.continuous, self.sync = every, continuous, sync
+        self.on_signal: OnSignal = on_signal
+        self.raise_on_failure = raise_on_failure
+        self.retention = Retention(keep_last, keep_every, keep, every if continuous else None)
+        self.config = config or S3Config()
+        options = options or WriteOptions()
+        if compression is not None:
+            options = dataclasses.replace(options, compression=compression)
+        self._writer = S3Writer(location.bucket, config=self.config, options=options)
+        group, agreement = groups(process_group)
+        self._run = Run(location, self.config, group, agreement)
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="s3ckpt-manager")
+        self._pending: _Pending | None = None
+        self._lock = threading.Lock()
+        self._known: set[int] = set()  # committed by this manager, or restored
+        self._damaged: set[int] = set()  # skipped by restore: a save of the step replaces them
+        self._leftovers: dict[int, Location] = {}
+        self._closed = False
+        self.signal_received: int | None = None
+        self._received: int | None = None
+        self._previous: dict[int, _Handler] = {}
+        signals = [save_on] if isinstance(save_on, int) else list(save_on or [])
+        self._vote = continuous or bool(signals)  # then every save() call agrees, distributed
+        for signum in signals:
+            try:
+                self._previous[signum] = signal.signal(signum, self._record)
+            except ValueError as e:
+                self._restore_handlers()
+                raise ConfigError(
+                    f"save_on={signum}: {e} (build the manager in the main thread)"
+                ) from e
+
+    # ------------------------------------------------------------------------- the run
+
+    def steps(self) -> list[int]:
+        """The run's committed steps (those holding a ``.metadata``), ascending."""
+        return sorted(bridge.run(committed(self._run.store, self._run.location)))
+
+    def latest_step(self) -> int | None:
+        """The highest committed step, or None."""
+        return max(self.steps(), default=None)
+
+    def restore(
+        self,
+        state_dict: dict[str, Any],
+        step: int | None = None,
+        verify: bool = False,
+        *,
+        planner: LoadPlanner | None = None,
+    ) -> int | None:
+        """Load the newest committed step into ``state_dict`` (in place, as ``dcp.load``), or
+        ``step``; returns the step loaded, None if the run holds no checkpoint.
+
+        A damaged checkpoint (checksum mismatch, missing or short object, unreadable record,
+        replaced or deleted while loading) is logged with why, and the next older step is tried;
+        with ``step`` given, its error is raised instead. If none loads, CheckpointError names
+        each step and why. ``verify=True`` first checks every byte of a checkpoint against its
+        checksums (on the coordinator), before anything is loaded. Other failures (an
+        unreachable store, refused credentials, a state dict that does not fit) are raised.
+        """
+        self._check_open()
+        self.wait()  # loads share the group with saves: none may be in flight
+        restored = restoring.restore(self._run, state_dict, step, verify, planner)
+        with self._lock:
+            self._damaged.update(restored.skipped)
+            if restored.step is not None:
+                self._known.add(restored.step)
+                self._damaged.discard(restored.step)
+        return restored.step
+
+    # ------------------------------------------------------------------------- saving
+
+    def should_save(self, step: int) -> bool:
+        """Whether ``save(step)`` would save, as this rank sees it: ``step`` is a multiple of
+        ``every``, a ``save_on`` signal arrived, or (continuous) no save is in flight."""
+        if self._received is not None or step % self.every == 0:
+            return True
+        return self.continuous and not self._busy()
+
+    def save(
+        self, step: int, state_dict: dict[str, Any], force: bool = False, sync: bool | None = None
+    ) -> bool:
+        """Save ``state_dict`` as ``step`` if `should_save` (or ``force``); returns whether a
+        save started. ``sync`` (default: the manager's) waits until it has committed; else it
+        uploads in the background once the state is staged, and training may change it.
+
+        A step this manager already committed or restored is not saved again. The previous
+        save's failure is raised here (or logged, ``raise_on_failure=False``).
+        """
+        self._check_open()
+        step_name(step)  # refuses a negative step before any work
+        wanted = force or step % self.every == 0
+        busy, received = self._busy(), self._received or 0
+        if self._run.agreement.distributed and self._vote:
+            votes = self._run.agreement.maximum(int(wanted), int(busy), received)
+            wanted, busy, received = bool(votes[0]), bool(votes[1]), votes[2]
+        if received:
+            return self._save_on_signal(step, state_dict, received)
+        if not (wanted or (self.continuous and not busy)):
+            self._surface(block=False)
+            return False
+        return self._save(step, state_dict, self.sync if sync is None else sync)
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) has committed; raises its error (or logs it,
+        ``raise_on_failure=False``)."""
+        self._surface(block=True)
+
+    def close(self) -> None:
+        """Wait for the save in flight (raising its error as `wait` does), then free the staging
+        buffers and remove the signal handlers. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._writer.close()
+            self._worker.shutdown(wait=True)
+            self._restore_handlers()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:  # never hide the exception that ends the block
+            self.close()
+        except S3CkptError as e:
+            log.error("%s: closing after %s: %s", self.url, type(exc).__name__, e)
+
+    # ------------------------------------------------------------------------- internals
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(f"the CheckpointManager of {self.url} is closed", url=self.url)
+
+    def _busy(self) -> bool:
+        return self._pending is not None and not self._pending.future.done()
+
+    def _is_known(self, step: int) -> bool:
+        pending = self._pending
+        with self._lock:
+            return step in self._known or (pending is not None and pending.step == step)
+
+    def _save(self, step: int, state_dict: dict[str, Any], sync: bool) -> bool:
+        self._surface(block=True)  # one save at a time
+        url = self._run.at(step).url
+        if self._is_known(step):
+            log.info("%s is already committed: not saved again", url)
+            return False
+        self._writer.overwrite = step in self._damaged
+        try:
+            if sync:
+                state_dict_saver.save(
+                    state_dict,
+                    checkpoint_id=url,
+                    storage_writer=self._writer,
+                    process_group=self._run.group,
+                )
+                self._committed(step)
+                return True
+            started = state_dict_saver.async_save(
+                state_dict,
+                checkpoint_id=url,
+                storage_writer=self._writer,
+                process_group=self._run.group,
+            )
+        except (Exception, CheckpointException) as e:
+            self._failed(step, e)
+            return True
+        upload = started.upload_completion if isinstance(started, AsyncSaveResponse) else started
+        self._pending = _Pending(step, self._worker.submit(self._finish, step, upload))
+        return True
+
+    def _finish(self, step: int, upload: Future[Any]) -> None:
+        """The worker thread's part of a background save: wait for the commit, then retention."""
+        upload.result()
+        self._committed(step)
+
+    def _committed(self, step: int) -> None:
+        with self._lock:
+            self._known.add(step)
+            self._damaged.discard(step)
+        if not (self._run.agreement.coordinator and self.retention.deletes):
+            return
+        try:
+            prune(self._run, self.retention, self._leftovers)
+        except Exception as e:  # the checkpoint is committed: retention failing must not undo it
+            log.warning("%s: retention after step %d failed: %s", self.url, step, e)
+
+    def _surface(self, *, block: bool, raising: bool = True) -> None:
+        """Collect the save in flight once it is done (``block``: wait for it) and report its
+        failure: raised when ``raising`` and ``raise_on_failure``, else logged."""
+        pending = self._pending
+        if pending is None or (not block and not pending.future.done()):
+            return
+        try:
+            pending.future.result()
+        except (Exception, CheckpointException) as e:
+            self._pending = None
+            self._failed(pending.step, e, raising)
+            return
+        self._pending = None
+
+    def _failed(self, step: int, error: BaseException, raising: bool = True) -> None:
+        url = self._run.at(step).url
+        cause = restoring.s3ckpt_error(error)
+        message = f"saving step {step} to {url} failed: {cause or error!r}"
+        if raising and self.raise_on_failure:
+            if cause is not None:
+                raise cause.reworded(message) from error
+            raise CheckpointError(message, url=url) from error
+        log.error("%s", message)
+
+    # ------------------------------------------------------------------------- signals
+
+    def _record(self, signum: int, frame: FrameType | None) -> None:
+        """The signal handler: only notes the signal; the next ``save()`` acts on it."""
+        self._received = signum
+
+    def _save_on_signal(self, step: int, state_dict: dict[str, Any], signum: int) -> bool:
+        name = signal.Signals(signum).name
+        log.warning(
+            "%s: %s received: saving step %d now, then %s", self.url, name, step, self.on_signal
+        )
+        self._received = None
+        self._surface(block=True, raising=False)  # this save supersedes a failed one
+        try:
+            saved = self._save(step, state_dict, sync=True)
+        except S3CkptError as e:
+            log.error("%s", e)
+            if self.on_signal == "return":
+                raise
+            saved = False
+        self.signal_received = signum
+        if self.on_signal == "exit":
+            raise SystemExit(128 + signum)
+        if self.on_signal == "reraise":
+            previous = self._previous.pop(signum, signal.SIG_DFL)
+            signal.signal(signum, signal.SIG_DFL if previous is None else previous)
+            signal.raise_signal(signum)
+        return saved
+
+    def _restore_handlers(self) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, signal.SIG_DFL if previous is None else previous)
+        self._previous.clear()

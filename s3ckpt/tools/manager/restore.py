@@ -1,0 +1,269 @@
+"""Loading a run's newest good checkpoint: the fallback past damaged ones, and the read lease
+that keeps retention (in this process or another) from deleting a checkpoint while it loads.
+
+Each attempt runs on every rank in step: the coordinator picks the step, every rank reads its
+record, the coordinator takes the read lease (and verifies, if asked), the ranks agree that all
+is well (`Agreement`), then ``dcp.load`` runs on all of them, on the record each already read.
+A load fails on all ranks together (DCP gathers the failures), so every rank makes the same
+choice: damage (checksum, missing or short object, unreadable record, replaced or deleted while
+loading) moves on to the next older step; anything else (an unreachable store, refused
+credentials, a state dict that does not match) is raised at once, so that a passing outage never
+silently resumes from an old checkpoint.
+
+The read lease is as good as the store allows: S3 has no read locks. A retention pass that
+started before the lease was written may still delete the checkpoint; the load then fails with a
+typed error (`CheckpointReplaced`, `ObjectNotFound`) and falls back, and nothing else is touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadPlanner
+from torch.distributed.checkpoint.state_dict_loader import load
+
+from ...config import S3Config
+from ...dcp.commit import Lease
+from ...dcp.prefix import read_prefix
+from ...dcp.reader import S3Reader
+from ...engine import bridge
+from ...engine.contract import ObjectStore
+from ...errors import (
+    CheckpointError,
+    CheckpointNotFound,
+    CheckpointReplaced,
+    ChecksumMismatch,
+    IncompleteCheckpoint,
+    MetadataError,
+    ObjectNotFound,
+    S3CkptError,
+    StorageError,
+)
+from ...format import layout
+from ...format.layout import Location
+from ...format.record import Checkpoint
+from ..verify import verify as verify_checkpoint
+from .run import Run, children, committed
+
+__all__ = ["ReadLease", "Restored", "damage", "restore", "s3ckpt_error"]
+
+log = logging.getLogger(__name__)
+
+_DAMAGE = (
+    ChecksumMismatch,
+    ObjectNotFound,
+    MetadataError,
+    CheckpointReplaced,
+    CheckpointNotFound,
+    IncompleteCheckpoint,
+)
+_OK, _DAMAGED, _FATAL = 0, 1, 2  # an attempt's outcome on one rank; the ranks take the worst
+
+
+def _failures(error: BaseException) -> list[BaseException]:
+    """The errors behind ``error``: each failed rank's for DCP's CheckpointException."""
+    if isinstance(error, CheckpointException):
+        return [failure[0] for _, failure in sorted(error.failures.items())]
+    return [error]
+
+
+def damage(error: BaseException) -> S3CkptError | None:
+    """The damage to the checkpoint that ``error`` reports (the first rank's), or None when
+    something else failed."""
+    failures = _failures(error)
+    damaged = [
+        f
+        for f in failures
+        if isinstance(f, _DAMAGE) or (isinstance(f, StorageError) and f.code == "SizeMismatch")
+    ]
+    if not failures or len(damaged) != len(failures):
+        return None
+    first = damaged[0]
+    assert isinstance(first, S3CkptError)
+    return first
+
+
+def s3ckpt_error(error: BaseException) -> S3CkptError | None:
+    """The first s3ckpt error behind ``error`` (DCP's CheckpointException unwrapped)."""
+    return next((f for f in _failures(error) if isinstance(f, S3CkptError)), None)
+
+
+class ReadLease(Lease):
+    """A reader's lease on the committed save it loads, ``data-<save_id>/<token>/.lease``: a key
+    that removals read as that save's lease (`layout.save_of`, `layout.is_lease`), so they spare
+    its objects while it is live. Each reader has its own token, so none releases another's."""
+
+    def __init__(self, store: ObjectStore, location: Location, save_id: str) -> None:
+        super().__init__(store, location, save_id)
+        token = secrets.token_hex(8)
+        self.key = location.key(f"data-{save_id}/{token}/{layout.LEASE_NAME}")
+
+
+@contextlib.contextmanager
+def held(lease: Lease) -> Iterator[bool]:
+    """Hold ``lease`` (refreshed on the bridge loop) around synchronous code; yields whether it
+    could be written: a reader without write access loads unprotected, with a warning."""
+    ready: concurrent.futures.Future[None] = concurrent.futures.Future()
+    stop: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+    async def hold() -> None:
+        try:
+            async with lease.held():
+                ready.set_result(None)
+                await asyncio.wrap_future(stop)
+        finally:
+            await lease.release()
+
+    running = bridge.submit(hold())
+    concurrent.futures.wait([ready, running], return_when=concurrent.futures.FIRST_COMPLETED)
+    if not ready.done():
+        error = running.exception()
+        log.warning(
+            "s3://%s/%s: no read lease (%s): a removal elsewhere may delete the checkpoint "
+            "while it loads (the load then fails with a typed error)",
+            lease.bucket,
+            lease.key,
+            error,
+        )
+    try:
+        yield ready.done()
+    finally:
+        stop.set_result(None)
+        with contextlib.suppress(Exception):
+            running.result()
+
+
+class _Pinned(S3Reader):
+    """Loads the record this rank already read (and, on the coordinator, leased), not whatever
+    is at the prefix by the time DCP asks: a record deleted meanwhile fails as a typed error on
+    the first missing object, not as DCP's untyped metadata failure."""
+
+    def __init__(self, location: Location, config: S3Config, checkpoint: Checkpoint) -> None:
+        super().__init__(location.bucket, location.prefix, config=config)
+        self._pinned = checkpoint
+
+    def read_metadata(self) -> Metadata:
+        self.checkpoint = self._pinned
+        return self._pinned.metadata
+
+
+@dataclass
+class Restored:
+    """What `restore` loaded (``step`` None: the run holds no checkpoint) and the steps it
+    skipped as damaged, newest first, with why."""
+
+    step: int | None
+    skipped: dict[int, str] = field(default_factory=dict)
+
+
+def restore(
+    run: Run,
+    state_dict: dict[str, Any],
+    step: int | None,
+    verify: bool,
+    planner: LoadPlanner | None,
+) -> Restored:
+    """Load ``step`` (None: the newest committed step that loads) into ``state_dict``."""
+    agreement, restored = run.agreement, Restored(None)
+    names = bridge.run(children(run.store, run.location))
+    while True:
+        picked = _pick(run, step, restored.skipped) if agreement.coordinator else -1
+        (candidate,) = agreement.maximum(picked)
+        if candidate < 0:
+            break
+        location = names.get(candidate, run.at(candidate))
+        reason = _attempt(run, location, state_dict, verify, planner)
+        if reason is None:
+            restored.step = candidate
+            skipped = list(restored.skipped)
+            after = f", past damaged step(s) {skipped}" if skipped else ""
+            log.info("restored step %d from %s%s", candidate, location.url, after)
+            return restored
+        restored.skipped[candidate] = _why(reason)
+        if step is not None:
+            if isinstance(reason, S3CkptError):
+                raise reason
+            raise CheckpointError(f"{location.url} does not load: {reason}", url=location.url)
+        log.warning("%s does not load, trying an older step: %s", location.url, _why(reason))
+    if restored.skipped:
+        why = "; ".join(f"step {s}: {reason}" for s, reason in restored.skipped.items())
+        raise CheckpointError(
+            f"no checkpoint of {run.location.url} loads ({why})", url=run.location.url
+        )
+    return restored
+
+
+def _why(reason: S3CkptError | str) -> str:
+    return f"{type(reason).__name__}: {reason}" if isinstance(reason, S3CkptError) else reason
+
+
+def _pick(run: Run, step: int | None, skipped: dict[int, str]) -> int:
+    """The coordinator's next candidate (-1: none left): the given step once, else the newest
+    committed step not tried yet (listed again each time: a newer one may have committed)."""
+    if step is not None:
+        return -1 if step in skipped else step
+    found = bridge.run(committed(run.store, run.location))
+    left = [s for s in found if s not in skipped]
+    return max(left, default=-1)
+
+
+def _attempt(
+    run: Run,
+    location: Location,
+    state_dict: dict[str, Any],
+    verify: bool,
+    planner: LoadPlanner | None,
+) -> S3CkptError | str | None:
+    """Load the checkpoint at ``location`` on every rank: None if it loaded, else why not.
+    Raises what is not damage."""
+    agreement, store = run.agreement, run.store
+    error: S3CkptError | None = None
+    checkpoint: Checkpoint | None = None
+    try:
+        checkpoint = bridge.run(read_prefix(store, location, below=False)).require()
+        _ = checkpoint.metadata  # building DCP's types is where a hostile record fails
+    except S3CkptError as e:
+        error = e
+    lease = ReadLease(store, location, checkpoint.save_id) if checkpoint else None
+    with held(lease) if lease and agreement.coordinator else contextlib.nullcontext(False):
+        if error is None and verify and agreement.coordinator:
+            try:
+                verify_checkpoint(location.url, run.config)
+            except S3CkptError as e:
+                error = e
+        outcome = _OK if error is None else _DAMAGED if damage(error) else _FATAL
+        (worst,) = agreement.maximum(outcome)
+        if worst == _FATAL:
+            raise error or CheckpointError(
+                f"{location.url}: another rank failed to read the checkpoint", url=location.url
+            )
+        if worst == _DAMAGED:
+            return (
+                error or f"another rank could not read or verify it (rank {agreement.rank} could)"
+            )
+        assert checkpoint is not None
+        try:
+            load(
+                state_dict,
+                storage_reader=_Pinned(location, run.config, checkpoint),
+                planner=planner,
+                process_group=run.group,
+            )
+        except (Exception, CheckpointException) as e:
+            found = damage(e)
+            if found is None:
+                typed = s3ckpt_error(e)
+                if typed is not None:
+                    raise typed from e
+                raise
+            return found
+    return None

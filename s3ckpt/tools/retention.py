@@ -1,0 +1,85 @@
+"""Which steps a run saves and keeps, and what its checkpoints are called. Pure: no I/O.
+
+A run's checkpoints live at ``run/step-<step>``, the step zero-padded to `STEP_WIDTH` (9) digits
+so that names sort like numbers; `step_in` also accepts other widths (``step-00100``), so runs
+saved by hand before the manager existed are found too.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+
+__all__ = ["STEP_WIDTH", "Retention", "step_in", "step_name"]
+
+STEP_WIDTH = 9
+_NAME = re.compile(r"step-(\d+)")
+
+
+def step_name(step: int) -> str:
+    """``step-000000100`` for step 100."""
+    if step < 0:
+        raise ConfigError(f"a step must be >= 0, got {step}")
+    return f"step-{step:0{STEP_WIDTH}d}"
+
+
+def step_in(name: str) -> int | None:
+    """The step a child prefix of a run names (``step-<digits>``); None for any other name."""
+    match = _NAME.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def _at_least_one(name: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise ConfigError(f"{name} must be None or >= 1, got {value}")
+
+
+@dataclass(frozen=True)
+class Retention:
+    """The committed steps a run keeps: the newest, always; the ``keep_last`` most recent; every
+    step that is a multiple of ``keep_every``; every step for which ``keep(step)`` is true. With
+    no rule at all, everything is kept.
+
+    ``schedule`` (the manager's ``every`` under the continuous policy) restricts ``keep_last`` to
+    the steps on that schedule: the extra saves of the continuous policy are kept only while one
+    of them is the newest.
+    """
+
+    keep_last: int | None = None
+    keep_every: int | None = None
+    keep: Callable[[int], bool] | None = None
+    schedule: int | None = None
+
+    def __post_init__(self) -> None:
+        _at_least_one("keep_last", self.keep_last)
+        _at_least_one("keep_every", self.keep_every)
+        _at_least_one("schedule", self.schedule)
+
+    @property
+    def deletes(self) -> bool:
+        """Whether any rule is set (without one, nothing is ever deleted)."""
+        return self.keep_last is not None or self.keep_every is not None or self.keep is not None
+
+    def kept(self, steps: Iterable[int]) -> set[int]:
+        """The steps of ``steps`` (committed ones) that stay."""
+        ordered = sorted(set(steps))
+        if not ordered or not self.deletes:
+            return set(ordered)
+        kept = {ordered[-1]}
+        if self.keep_last is not None:
+            schedule = self.schedule
+            scheduled = [s for s in ordered if schedule is None or s % schedule == 0]
+            kept.update(scheduled[-self.keep_last :])
+        if self.keep_every is not None:
+            kept.update(s for s in ordered if s % self.keep_every == 0)
+        if self.keep is not None:
+            kept.update(s for s in ordered if self.keep(s))
+        return kept
+
+    def victims(self, steps: Iterable[int]) -> list[int]:
+        """The steps of ``steps`` to delete, oldest first."""
+        listed = set(steps)
+        return sorted(listed - self.kept(listed))

@@ -1,0 +1,45 @@
+"""The private loop's thread runs below training's priority. No server."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+_PROBE = """
+import asyncio, os, threading
+from s3ckpt.engine import bridge
+
+def nice():
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+async def probe():
+    worker = await asyncio.get_running_loop().run_in_executor(None, nice)
+    return nice(), worker
+
+print(nice(), *bridge.run(probe()))
+"""
+
+
+def _priorities(extra: dict[str, str]) -> list[int]:
+    env = {k: v for k, v in os.environ.items() if k != "S3CKPT_IO_NICE"} | extra
+    done = subprocess.run(
+        [sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, check=True
+    )
+    return [int(v) for v in done.stdout.split()]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+def test_the_io_thread_and_its_workers_run_at_a_lower_priority() -> None:
+    main, loop, worker = _priorities({})
+    assert loop == worker == min(19, main + 10)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+def test_s3ckpt_io_nice_changes_or_disables_it() -> None:
+    main, loop, worker = _priorities({"S3CKPT_IO_NICE": "0"})
+    assert main == loop == worker
+    main, loop, worker = _priorities({"S3CKPT_IO_NICE": "3"})
+    assert loop == worker == min(19, main + 3)
