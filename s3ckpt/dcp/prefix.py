@@ -23,16 +23,17 @@ from ..format.record import Checkpoint, check_record_size, decode
 
 __all__ = ["AtPrefix", "State", "read_prefix", "read_record", "saves", "step_of"]
 
-# The last path component ends in the step: "step-000100", "global_step1000", "ckpt_42", "7".
-_STEP = re.compile(r"(\d+)$")
+# The last path component is a word and the step: "step-000100", "global_step1000", "ckpt_42",
+# "7"; not "best-epoch3" or "run-2024-06-01", which are names, not steps.
+_STEP = re.compile(r"(?:[A-Za-z][A-Za-z_]*[-_]?)?(\d+)")
 # Child prefixes whose ``.metadata`` a prefix holding nothing checks (one HEAD each, the highest
 # steps first): enough to name a run's latest checkpoint, bounded for a run of thousands.
 _MAX_BELOW = 128
 
 
 def step_of(prefix: str) -> int | None:
-    """The step a checkpoint's prefix names: the number its last component ends in."""
-    match = _STEP.search(prefix.rpartition("/")[2])
+    """The step a checkpoint's prefix names (see `_STEP`), or None."""
+    match = _STEP.fullmatch(prefix.rpartition("/")[2])
     return int(match.group(1)) if match else None
 
 

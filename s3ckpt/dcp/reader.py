@@ -102,10 +102,13 @@ class S3Reader(AtLocation, StorageReader):
         """Raise the typed error (`CheckpointNotFound`, `IncompleteCheckpoint`, `MetadataError`,
         `BucketNotFound`, `AccessDenied`, ...) unless a committed, readable checkpoint is at
         `checkpoint_id`: ``dcp.load`` would turn it into an ``AssertionError`` inside a
-        ``CheckpointException``. One GET of ``.metadata`` (a listing when there is none), which
-        ``dcp.load`` repeats: a checkpoint replaced in between is loaded as it is then.
+        ``CheckpointException``. It reads ``.metadata`` and builds DCP's metadata from it (what
+        this torch cannot represent fails here too); with no record, a listing of the prefix
+        and, for a run prefix, up to 128 HEADs below it. ``dcp.load`` reads the record again: a
+        checkpoint replaced in between is loaded as it is then.
         """
-        bridge.run(self._read_checkpoint())
+        checkpoint = bridge.run(self._read_checkpoint())
+        _ = checkpoint.metadata  # building it is part of the check
 
     def read_metadata(self) -> Metadata:
         # No **kwargs: DCP would then call this a second time for "rank-local" metadata, which

@@ -312,9 +312,11 @@ class S3Writer(AtLocation, StorageWriter):
         async def one(relative: str, packed: Packed) -> None:
             key = self.location.key(relative)
             if self.options.compression is None:
-                # The frames' checksums make the parts' wire checksums, so most are ready now.
+                # Beside the upload: each frame's checksum is computed once, for the record and
+                # for the wire checksums of the parts, by whichever needs it first.
+                checksums = loop.run_in_executor(None, packed.frame_table)
                 await store.upload(bucket, key, packed)
-                tables[relative] = await loop.run_in_executor(None, packed.frame_table)
+                tables[relative] = await checksums
                 return
             entries: list[tuple[int, int, int]] = []
             await store.upload_stream(bucket, key, self._encoded(packed, entries))

@@ -6,7 +6,7 @@ its own buffer: two copies and 16 MiB of fresh memory (page faults, zeroing) per
 event loop, which shares its core with training. A `Body` writes its buffers in slices no larger
 than a socket's send buffer takes, waiting for the transport to drain between them, so most bytes
 go from the caller's memory straight to the kernel. It also sends several buffers as one body, so
-a part spanning tensors is never assembled.
+a part spanning tensors is never assembled (only runs of small ones are, into one buffer).
 """
 
 from __future__ import annotations
@@ -20,13 +20,14 @@ from aiohttp.payload import Payload
 __all__ = ["SLICE", "Body"]
 
 SLICE = 1 << 20
+_SMALL = 64 << 10  # buffers under this are copied together: one write each would cost more
 
 
 class Body(Payload):
     """``buffers``, back to back, as one request body; botocore takes its length from ``len``."""
 
     def __init__(self, buffers: Sequence[bytes | bytearray | memoryview]) -> None:
-        views = [memoryview(b).cast("B") for b in buffers]
+        views = _coalesced([memoryview(b).cast("B") for b in buffers])
         super().__init__(views)
         self._views = views
         self._size = sum(len(v) for v in views)
@@ -50,3 +51,24 @@ class Body(Payload):
             left -= end
             if left == 0:
                 return
+
+
+def _coalesced(views: list[memoryview]) -> list[memoryview]:
+    """Runs of small views (many small tensors, alignment gaps) joined into buffers of up to
+    `SLICE`; large views are kept as they are."""
+    out: list[memoryview] = []
+    run = bytearray()
+    for view in views:
+        if len(view) >= _SMALL:
+            if run:
+                out.append(memoryview(run))
+                run = bytearray()
+            out.append(view)
+            continue
+        run += view
+        if len(run) >= SLICE:
+            out.append(memoryview(run))
+            run = bytearray()
+    if run:
+        out.append(memoryview(run))
+    return out

@@ -27,6 +27,8 @@ import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
+from ..errors import ConfigError
+
 __all__ = ["gather_or_cancel", "on_shutdown", "run", "submit"]
 
 T = TypeVar("T")
@@ -42,16 +44,29 @@ def _get_loop() -> asyncio.AbstractEventLoop:
     global _loop, _thread
     with _lock:
         if _loop is None:
+            nice = _io_nice()  # here: a bad value must fail the caller, not kill the loop thread
             loop = asyncio.new_event_loop()
-            thread = threading.Thread(target=_serve, args=(loop,), name="s3ckpt-io", daemon=True)
+            thread = threading.Thread(
+                target=_serve, args=(loop, nice), name="s3ckpt-io", daemon=True
+            )
             thread.start()
             _loop, _thread = loop, thread
         return _loop
 
 
-def _serve(loop: asyncio.AbstractEventLoop) -> None:
-    _lower_priority(int(os.environ.get("S3CKPT_IO_NICE", _IO_NICE)))
-    loop.run_forever()
+def _io_nice() -> int:
+    text = os.environ.get("S3CKPT_IO_NICE", "").strip() or str(_IO_NICE)
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"S3CKPT_IO_NICE must be an integer (0: off), got {text!r}") from None
+
+
+def _serve(loop: asyncio.AbstractEventLoop, nice: int) -> None:
+    try:
+        _lower_priority(nice)
+    finally:
+        loop.run_forever()
 
 
 def _lower_priority(nice: int) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -46,6 +47,8 @@ class Packed:
         self._elements = elements
         self.frame_size = frame_size
         self._crcs: dict[int, int] = {}
+        self._running: dict[int, threading.Event] = {}
+        self._lock = threading.Lock()
         self.lengths = [v.numel() if isinstance(v, torch.Tensor) else len(v) for v in values]
         self.starts: list[int] = []
         end = 0
@@ -125,13 +128,28 @@ class Packed:
         return sizes.pop() if len(sizes) == 1 else None
 
     def frame_checksum(self, number: int) -> int:
-        """CRC32C of frame ``number``, computed once (worker threads: a race computes it twice,
-        harmlessly) for both the frame table and the parts' checksums on the wire."""
-        crc = self._crcs.get(number)
-        if crc is None:
+        """CRC32C of frame ``number``, computed once, by whichever worker thread asks first (the
+        frame table's or a part's wire checksum); others asking meanwhile wait for it."""
+        while True:
+            with self._lock:
+                crc = self._crcs.get(number)
+                if crc is not None:
+                    return crc
+                running = self._running.get(number)
+                if running is None:
+                    running = self._running[number] = threading.Event()
+                    break
+            running.wait()
+        try:
             start = number * self.frame_size
-            crc = self._crcs[number] = self._crc_of(start, min(start + self.frame_size, self.size))
-        return crc
+            crc = self._crc_of(start, min(start + self.frame_size, self.size))
+            with self._lock:
+                self._crcs[number] = crc
+            return crc
+        finally:
+            with self._lock:
+                del self._running[number]
+            running.set()
 
     def checksum(self, start: int, end: int) -> int:
         """CRC32C of bytes ``[start, end)``, combined from the checksums of the whole frames

@@ -69,8 +69,12 @@ def read_state(
     It is all in memory at once. ``progress(done, total)`` counts tensor bytes as they arrive.
     ``trust_pickles`` is `S3Reader`'s: without it a non-tensor value that could run code when
     unpickled raises `UnsafeCheckpoint`."""
-    describe(url, config)  # the typed error, which DCP would turn into an AssertionError
+    # The typed error, which DCP would turn into an AssertionError: building DCP's metadata is
+    # part of it (a dtype this torch lacks).
+    _, checkpoint = describe(url, config)
     from .state import read_state as load  # torch and DCP: only this needs them
+
+    _ = checkpoint.metadata
 
     return load(url, config, progress=progress, trust_pickles=trust_pickles)
 

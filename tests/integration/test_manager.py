@@ -192,6 +192,26 @@ def test_restore_falls_back_past_a_damaged_newest_checkpoint(
     assert_state(loaded, 3)
 
 
+def test_retention_never_trades_the_loadable_checkpoints_for_a_damaged_newer_one(
+    s3: Any, bucket: str
+) -> None:
+    with manager(s3, bucket) as mgr:
+        for step in (100, 200, 300):
+            mgr.save(step, state(step), force=True)
+    damage(s3, bucket, 300, "corrupt")
+    loaded = blank()
+    with manager(s3, bucket, keep_last=1) as mgr:
+        assert mgr.restore(loaded) == 200
+        assert mgr.save(250, state(250), force=True)  # e.g. the save a SIGTERM forces
+        mgr.wait()
+    # Counted as the newest, the damaged 300 would have made 250 retention's victim.
+    assert stored_steps(s3, bucket) == {step_name(250), step_name(300)}
+    loaded = blank()
+    with manager(s3, bucket) as mgr:
+        assert mgr.restore(loaded) == 250
+    assert_state(loaded, 250)
+
+
 def test_restore_with_verify_checks_before_it_loads(
     s3: Any, bucket: str, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -31,7 +31,7 @@ from ...errors import CheckpointError, ConfigError, S3CkptError
 from ...format.layout import Location
 from ..retention import Retention, step_name
 from . import restore as restoring
-from .collective import groups
+from .collective import groups, release
 from .run import Run, committed, prune
 
 __all__ = ["CheckpointManager"]
@@ -121,7 +121,7 @@ class CheckpointManager:
         if compression is not None:
             options = dataclasses.replace(options, compression=compression)
         self._writer = S3Writer(location.bucket, config=self.config, options=options)
-        group, agreement = groups(process_group)
+        group, agreement, self._groups = groups(process_group)
         self._run = Run(location, self.config, group, agreement)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="s3ckpt-manager")
         self._pending: _Pending | None = None
@@ -232,6 +232,7 @@ class CheckpointManager:
             self._writer.close()
             self._worker.shutdown(wait=True)
             self._restore_handlers()
+            release(self._groups)
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -303,10 +304,11 @@ class CheckpointManager:
         with self._lock:
             self._known.add(step)
             self._damaged.discard(step)
+            damaged = frozenset(self._damaged)
         if not (self._run.agreement.coordinator and self.retention.deletes):
             return
         try:
-            prune(self._run, self.retention, self._leftovers)
+            prune(self._run, self.retention, self._leftovers, damaged)
         except Exception as e:  # the checkpoint is committed: retention failing must not undo it
             log.warning("%s: retention after step %d failed: %s", self.url, step, e)
 

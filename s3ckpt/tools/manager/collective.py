@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["Agreement", "groups"]
+__all__ = ["Agreement", "groups", "release"]
 
 
 class Agreement:
@@ -42,12 +42,24 @@ class Agreement:
 
 def groups(
     process_group: dist.ProcessGroup | None,
-) -> tuple[dist.ProcessGroup | None, Agreement]:
-    """The group saves and loads run on (a new gloo group unless ``process_group`` is given) and
-    the agreement's own gloo group over the same ranks. Creating groups is itself collective:
-    every rank of the default group calls this, once per manager."""
+) -> tuple[dist.ProcessGroup | None, Agreement, list[dist.ProcessGroup]]:
+    """The group saves and loads run on (a new gloo group unless ``process_group`` is given),
+    the agreement over its own gloo group of the same ranks, and the groups created here (for
+    `release`). Creating groups is itself collective: every rank of the default group calls
+    this, once per manager."""
     if not (dist.is_available() and dist.is_initialized()):
-        return None, Agreement(None)
+        return None, Agreement(None), []
     ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
     saving = process_group if process_group is not None else dist.new_group(backend="gloo")
-    return saving, Agreement(dist.new_group(ranks=ranks, backend="gloo"))
+    agreement = dist.new_group(ranks=ranks, backend="gloo")
+    created = [agreement] if process_group is not None else [saving, agreement]
+    return saving, Agreement(agreement), created
+
+
+def release(created: list[dist.ProcessGroup]) -> None:
+    """Destroy the groups `groups` created (each holds sockets and threads), unless the default
+    group is gone already, which took them with it."""
+    if dist.is_available() and dist.is_initialized():
+        for group in created:
+            dist.destroy_process_group(group)
+    created.clear()

@@ -91,9 +91,16 @@ def _delete(location: Location, config: S3Config) -> bool:
     return True
 
 
-def prune(run: Run, retention: Retention, leftovers: dict[int, Location]) -> list[int]:
+def prune(
+    run: Run,
+    retention: Retention,
+    leftovers: dict[int, Location],
+    damaged: frozenset[int] = frozenset(),
+) -> list[int]:
     """Apply ``retention`` to the committed steps once; returns the steps deleted.
 
+    ``damaged`` steps (restore could not load them) are left out of the policy: counted as
+    kept, a damaged newest step would make the last loadable checkpoints its victims.
     ``leftovers`` (updated) holds the deleted steps whose objects a live lease spared: each pass
     deletes them again, until nothing is left or the step is committed anew.
     """
@@ -106,7 +113,7 @@ def prune(run: Run, retention: Retention, leftovers: dict[int, Location]) -> lis
                 continue
         del leftovers[step]
     deleted = []
-    for step in retention.victims(found):
+    for step in retention.victims([s for s in found if s not in damaged]):
         location = found[step]
         if bridge.run(in_use(store, location)):
             log.info("%s: kept until a later save: it is being read or written", location.url)

@@ -43,3 +43,12 @@ def test_s3ckpt_io_nice_changes_or_disables_it() -> None:
     assert main == loop == worker
     main, loop, worker = _priorities({"S3CKPT_IO_NICE": "3"})
     assert loop == worker == min(19, main + 3)
+
+
+def test_a_bad_s3ckpt_io_nice_fails_the_call_instead_of_hanging_it() -> None:
+    env = os.environ | {"S3CKPT_IO_NICE": "ten"}
+    probe = "from s3ckpt.engine import bridge\nimport asyncio\nbridge.run(asyncio.sleep(0))"
+    done = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 1 and "ConfigError: S3CKPT_IO_NICE must be an integer" in done.stderr
