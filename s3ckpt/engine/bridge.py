@@ -9,10 +9,9 @@ loop; at interpreter exit registered closers run (closing HTTP sessions) before 
 
 On Linux the loop's thread, and the worker threads it starts (they inherit it), run at a lower
 priority than training: ``nice`` +10 by default, ``S3CKPT_IO_NICE`` to change it (0: off). The
-storage layer then never preempts a training step that wants the core, and takes its CPU in
-longer turns; on one busy core that halved the training time a background save costs
-(`benchmarks/bench_training.py`, mode ``thread-nice``). Uploads only slow down when every core
-is busy with other work.
+storage layer then never preempts a training step that wants the core (measured on one shared
+core: from no difference beyond noise to half the time lost, `benchmarks/bench_training.py`
+against mode ``thread-nice0``). Uploads only slow down when every core is busy with other work.
 """
 
 from __future__ import annotations
