@@ -1,4 +1,5 @@
-"""The GPU check of the training-overhead issue, as one run for a lent GPU host (under 10 min).
+"""The GPU check of the training-overhead issue, as one run for a lent GPU host (meant to fit
+under 10 min: the training part has a 7-minute timeout; not yet run on a GPU).
 
 1. Stall: ``dcp.async_save`` with `S3Writer` on a CUDA state (steady state, the writer's pinned
    staging buffers warm) against a pinned device-to-host copy of the same bytes into kept
@@ -6,8 +7,8 @@
 2. Reuse: the staging buffers are pinned, and the same memory is staged into on every save.
 3. Training: `bench_training` on the GPU (none, sync, async THREAD), the same table as on CPU.
 
-    python -m benchmarks.bench_gpu                       # all three, ~5 min on an H200 host
-    python -m benchmarks.bench_gpu --skip-training       # 1 and 2 only, ~1 min
+    python -m benchmarks.bench_gpu                       # all three (training capped at 7 min)
+    python -m benchmarks.bench_gpu --skip-training       # 1 and 2 only
 
 Without CUDA it says so and exits 2 (``--device cpu`` runs 1 and 2 on the CPU, to try the script).
 """

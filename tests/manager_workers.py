@@ -3,7 +3,6 @@ and the small training run they share with the tests."""
 
 from __future__ import annotations
 
-import datetime
 import signal
 import time
 from typing import Any
@@ -16,6 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from s3ckpt import CheckpointManager, S3Config
+from tests.dist_workers import _init
 
 
 def model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -56,16 +56,6 @@ def assert_model_is(model: nn.Module, expected: nn.Module) -> None:
     pairs = zip(model.state_dict().items(), expected.state_dict().values(), strict=True)
     for (name, got), want in pairs:
         torch.testing.assert_close(got, want, msg=name)
-
-
-def _init(rank: int, world: int, port: int) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=120),
-    )
 
 
 def resume_on_ranks(rank: int, world: int, port: int, config: S3Config, url: str) -> None:
