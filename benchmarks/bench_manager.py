@@ -52,7 +52,7 @@ from s3ckpt.engine import bridge
 from s3ckpt.engine.store import get_store
 from s3ckpt.tools import catalog
 
-from .common import RESULTS, MiB, format_table, machine_info, median, s3_endpoint
+from .common import RESULTS, MiB, format_table, machine_info, median, pin_threads, s3_endpoint
 
 SAVE_CASES = ("bare", "manager", "manager+keep")
 LOOP_CASES = ("every", "continuous")
@@ -286,16 +286,6 @@ def summarize_loops(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     }
 
 
-def _pin(pid: int | None, core: int) -> bool:
-    """Every thread of ``pid`` (this process: 0) on ``core``; new threads inherit it."""
-    if pid is None or not hasattr(os, "sched_setaffinity"):
-        return False
-    tasks = Path(f"/proc/{pid or os.getpid()}/task").iterdir()
-    for task in tasks:
-        os.sched_setaffinity(int(task.name), {core})
-    return True
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -303,8 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     machine = machine_info()
     with s3_endpoint(args.endpoint_url, args.access_key, args.secret_key, args.region) as ep:
-        pinned = _pin(ep.server_pid, args.server_core)
-        pinned = _pin(0, args.trainer_core) and pinned
+        pinned = pin_threads(ep.server_pid, args.server_core)
+        pinned = pin_threads(0, args.trainer_core) and pinned
         config = ep.config(part_size=16 * MiB, max_concurrency=8)
         bridge.run(get_store(config).create_bucket(args.bucket))
         trainer = Trainer(args)

@@ -43,7 +43,17 @@ from typing import Any
 
 from s3ckpt.config import MiB, S3Config
 
-from .common import GB, RESULTS, ROOT, Endpoint, format_table, machine_info, median, s3_endpoint
+from .common import (
+    GB,
+    RESULTS,
+    ROOT,
+    Endpoint,
+    format_table,
+    machine_info,
+    median,
+    pin_threads,
+    s3_endpoint,
+)
 
 MODES = (
     "none", "sync", "thread", "thread-nice0", "process", "raw", "s3torchconnector", "fsspec"
@@ -141,15 +151,6 @@ def _child(
 
 
 # ----------------------------------------------------------------------------- the parent
-
-
-def _pin_server(pid: int | None, core: int) -> bool:
-    """Pin every thread of the server to ``core`` (new threads inherit it)."""
-    if pid is None or not hasattr(os, "sched_setaffinity"):
-        return False
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        os.sched_setaffinity(int(task.name), {core})
-    return True
 
 
 def _create_bucket(config: S3Config, bucket: str) -> None:
@@ -293,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         return child_main(args)
     machine = machine_info()
     with s3_endpoint(args.endpoint_url, args.access_key, args.secret_key, args.region) as ep:
-        pinned = _pin_server(ep.server_pid, args.server_core)
+        pinned = pin_threads(ep.server_pid, args.server_core)
         server = f"on core {args.server_core}" if pinned else "unpinned"
         config = ep.config(part_size=args.part_size_mib * MiB, max_concurrency=8)
         _create_bucket(config, args.bucket)

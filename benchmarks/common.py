@@ -122,6 +122,16 @@ def _weed_pid() -> int | None:
     return None
 
 
+def pin_threads(pid: int | None, core: int) -> bool:
+    """Every thread of ``pid`` (0: this process) on ``core``; threads started later inherit
+    it. False where it cannot be done (no pid, or no ``sched_setaffinity``)."""
+    if pid is None or not hasattr(os, "sched_setaffinity"):
+        return False
+    for task in Path(f"/proc/{pid or os.getpid()}/task").iterdir():
+        os.sched_setaffinity(int(task.name), {core})
+    return True
+
+
 def server_cpu_seconds(pid: int | None) -> float | None:
     """user+sys CPU of the local server (and its children) so far; None for a remote one."""
     if pid is None:

@@ -134,3 +134,17 @@ def save_racing(config: S3Config, url: str, fill: float, barrier: Any, results: 
         failures = getattr(e, "failures", None)
         cause = next(iter(failures.values()))[0] if failures else e
         results.put((fill, type(cause).__name__))
+
+
+def save_incremental(
+    rank: int, world: int, port: int, config: S3Config, url: str, layout: str, bump: float
+) -> None:
+    """An incremental sharded save of the reference state with ``rows`` moved by ``bump``."""
+    _init(rank, world, port)
+    try:
+        full = reference_state()
+        full["rows"] = full["rows"] + bump
+        state = _sharded(full, world, layout)
+        dcp.save(state, storage_writer=S3Writer(url, config=config, incremental=True))
+    finally:
+        dist.destroy_process_group()

@@ -234,7 +234,10 @@ def removed_text(removal: Removal) -> str:
     """Objects and uploads with their bytes: a killed save's uploads hold its bytes in parts."""
     freed = human_size(removal.bytes_freed - removal.upload_bytes)
     uploads = f" ({human_size(removal.upload_bytes)})" if removal.aborted else ""
-    return f"{len(removal.deleted)} objects ({freed}), {len(removal.aborted)} uploads{uploads}"
+    text = f"{len(removal.deleted)} objects ({freed}), {len(removal.aborted)} uploads{uploads}"
+    if removal.kept:
+        text += f"; {len(removal.kept)} objects kept: later checkpoints of the run reference them"
+    return text
 
 
 def format_table(header: list[str], rows: list[list[str]], right: set[int]) -> str:

@@ -135,6 +135,8 @@ def _info(session: Session) -> int:
         items.append(item)
     ranks: dict[int | None, dict[str, Any]] = {}
     for key, size in sorted(checkpoint.objects.items()):
+        if layout.is_reference(key):
+            continue  # shown as "referenced"
         rank = layout.rank_of(key)
         counts = ranks.setdefault(rank, {"rank": rank, "objects": 0, "bytes": 0})
         counts["objects"] += 1
@@ -166,13 +168,23 @@ def _summary(info: CheckpointInfo) -> list[tuple[str, str]]:
         ("world size", f"{or_dash(info.world_size)} (ranks)"),
         ("tensors", or_dash(info.tensors)),
         ("logical", or_dash(None if logical is None else human_size(logical))),
-        ("stored", f"{human_size(stored)}{ratio}"),
+        ("stored", f"{human_size(stored)}{ratio}, in this checkpoint's own objects"),
+        ("referenced", _referenced(info)),
         ("compression", _compression(info)),
         ("frame size", or_dash(frames)),
         ("s3ckpt", or_dash(info.s3ckpt_version)),
         ("torch", or_dash(info.torch_version)),
         ("total", f"{human_size(info.total_bytes)} in {info.num_objects} objects (with .metadata)"),
     ]
+
+
+def _referenced(info: CheckpointInfo) -> str:
+    if not info.references:
+        return "-"
+    names = ", ".join(info.references)
+    return (
+        f"{human_size(info.referenced_bytes)} of the state, stored by earlier checkpoints ({names})"
+    )
 
 
 def _always(_: argparse.Namespace) -> bool:
@@ -282,7 +294,8 @@ def _duration(text: str) -> timedelta:
     arg(
         "--break-leases",
         action="store_true",
-        help="also collect saves whose lease is live: only when their writers are known dead",
+        help="also collect saves whose lease is live: only when their writers are known dead "
+        "(readers' and incremental saves' pins are never broken)",
     ),
     destructive=lambda args: not args.dry_run,
 )

@@ -12,8 +12,10 @@ that did land references.
 While a save runs, each rank holds its lease (`layout.lease_key`) from the start of its upload,
 and the coordinator from the start of the commit: a small object rewritten every quarter of
 `layout.LEASE_TTL`, which gc, prune and rm respect. Before the PUT the coordinator checks that
-every object it is about to reference is stored with the size it uploaded (one HEAD each), so a
-commit never references an object that is not there, whoever deleted it.
+every object it is about to reference, uploaded or in an earlier checkpoint, is stored with the
+size it expects (one HEAD each): a commit does not reference an object that a removal has
+already deleted. That a removal does not delete one afterwards is the pins' business
+(`s3ckpt.dcp.incremental`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import dataclasses
 import json
 import logging
 import os
+import secrets
 import socket
 from collections.abc import AsyncIterator, Iterable, Mapping
 
@@ -43,8 +46,9 @@ from ..format import layout
 from ..format.layout import Location
 from ..format.record import decode
 from .prefix import read_record
+from .references import protected
 
-__all__ = ["Lease", "commit", "delete_quietly", "may_have_applied"]
+__all__ = ["Lease", "ReadLease", "commit", "delete_quietly", "may_have_applied"]
 
 log = logging.getLogger(__name__)
 
@@ -70,11 +74,11 @@ class Lease:
         self.bucket = location.bucket
         self.key = location.key(layout.lease_key(save_id))
         owner = {"save_id": save_id, "host": socket.gethostname(), "pid": os.getpid()}
-        self._body = json.dumps(owner | {"ttl": layout.LEASE_TTL}).encode()
+        self.body = json.dumps(owner | {"ttl": layout.LEASE_TTL}).encode()
 
     @contextlib.asynccontextmanager
     async def held(self) -> AsyncIterator[None]:
-        await self.store.put(self.bucket, self.key, self._body)
+        await self.store.put(self.bucket, self.key, self.body)
         refresher = asyncio.ensure_future(self._refresh())
         try:
             yield
@@ -86,12 +90,24 @@ class Lease:
         while True:
             await asyncio.sleep(layout.LEASE_TTL / 4)
             try:
-                await self.store.put(self.bucket, self.key, self._body)
+                await self.store.put(self.bucket, self.key, self.body)
             except S3CkptError as e:
                 log.warning("s3://%s/%s: lease not refreshed: %s", self.bucket, self.key, e)
 
     async def release(self) -> None:
         await delete_quietly(self.store, self.bucket, [self.key], "the lease of a saved checkpoint")
+
+
+class ReadLease(Lease):
+    """A lease on a committed save by someone who needs its objects to stay: a reader loading
+    it, or an incremental save referencing it. ``data-<save_id>/<token>/.lease`` is a key that
+    removals read as that save's lease (`layout.save_of`, `layout.is_lease`), so they spare its
+    objects while it is live. Each holder has its own token, so none releases another's."""
+
+    def __init__(self, store: ObjectStore, location: Location, save_id: str) -> None:
+        super().__init__(store, location, save_id)
+        token = secrets.token_hex(8)
+        self.key = location.key(f"data-{save_id}/{token}/{layout.LEASE_NAME}")
 
 
 async def commit(
@@ -102,11 +118,14 @@ async def commit(
     *,
     save_id: str,
     overwrite: bool,
+    references: Mapping[str, int] | None = None,
 ) -> None:
-    """Commit ``record``, which references the uploaded ``objects`` (key -> stored size).
+    """Commit ``record``, which references the uploaded ``objects`` (key -> stored size) and
+    ``references``, objects of earlier checkpoints (confirmed like the others, never deleted).
 
     With ``overwrite`` the checkpoint it replaces loses its data objects once the commit is
-    certain. Raises `CommitOutcomeUnknown` when it cannot be known whether the record landed.
+    certain (but those other records of the run reference). Raises `CommitOutcomeUnknown` when
+    it cannot be known whether the record landed.
     """
     limit = store.config.max_record_size
     if len(record) > limit:  # readers with this config would refuse it: never commit that
@@ -116,7 +135,7 @@ async def commit(
             f"S3Config.max_record_size ({limit}); raise it for the writer and every reader",
             url=location.metadata_url,
         )
-    await _confirm(store, location, objects)
+    await _confirm(store, location, objects, references or {})
     previous = await _previous_objects(store, location) if overwrite else set()
     refused = await _put_record(store, location, record, save_id=save_id, overwrite=overwrite)
     if refused is not None:
@@ -125,14 +144,22 @@ async def commit(
     stale = previous - set(objects)
     if stale:
         try:
+            kept = await protected(store, [location])
+            stale = {key for key in stale if not kept.keeps(location, key)}
             await store.delete(location.bucket, sorted(stale))
         except S3CkptError as e:
             log.warning("%s: committed; old data objects not deleted: %s", location.url, e)
 
 
-async def _confirm(store: ObjectStore, location: Location, objects: Mapping[str, int]) -> None:
+async def _confirm(
+    store: ObjectStore,
+    location: Location,
+    objects: Mapping[str, int],
+    references: Mapping[str, int],
+) -> None:
     """Every object is stored with its uploaded size, or the save's objects go and it raises."""
     bucket = location.bucket
+    uploaded, objects = objects, {**objects, **references}
 
     async def stored_size(key: str) -> int | None:
         async with store.slot():
@@ -144,12 +171,13 @@ async def _confirm(store: ObjectStore, location: Location, objects: Mapping[str,
     wrong = [(key, size, got) for (key, size), got in found if got != size]
     if not wrong:
         return
-    await delete_quietly(store, bucket, objects, f"{location.url}: a save that cannot commit")
+    await delete_quietly(store, bucket, uploaded, f"{location.url}: a save that cannot commit")
     key, size, got = wrong[0]
     state = "is missing" if got is None else f"holds {got} bytes, not {size}"
     raise IncompleteCheckpoint(
-        f"{location.url}: not committed: {len(wrong)} of {len(objects)} data objects changed "
-        f"after upload (s3://{bucket}/{key} {state}: deleted by a removal while the save ran?); "
+        f"{location.url}: not committed: {len(wrong)} of {len(objects)} data objects (uploaded "
+        f"or referenced) changed (s3://{bucket}/{key} {state}: deleted by a removal while "
+        "the save ran?); "
         "the save's objects were deleted",
         url=location.url,
     )
@@ -246,7 +274,9 @@ async def _previous_objects(store: ObjectStore, location: Location) -> set[str]:
     except S3CkptError as e:
         log.warning("%s: replacing a record whose objects cannot be listed: %s", location.url, e)
         return set()
-    return set() if previous is None else {location.key(key) for key in previous.objects}
+    if previous is None:
+        return set()
+    return {location.key(key) for key in previous.objects if not layout.is_reference(key)}
 
 
 async def delete_quietly(store: ObjectStore, bucket: str, keys: Iterable[str], what: str) -> None:

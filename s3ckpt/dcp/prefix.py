@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import enum
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from ..engine.bridge import gather_or_cancel
 from ..engine.contract import ObjectStore, StoredObject, Upload
@@ -21,7 +22,7 @@ from ..format import layout
 from ..format.layout import Location
 from ..format.record import Checkpoint, check_record_size, decode
 
-__all__ = ["AtPrefix", "State", "read_prefix", "read_record", "saves", "step_of"]
+__all__ = ["AtPrefix", "State", "live_saves", "read_prefix", "read_record", "saves", "step_of"]
 
 # The last path component is a word and the step: "step-000100", "global_step1000", "ckpt_42",
 # "7"; not "best-epoch3" or "run-2024-06-01", which are names, not steps.
@@ -169,3 +170,17 @@ async def saves(
     start = len(location.listing_prefix)
     found = ((obj, layout.save_of(obj.key[start:])) for obj in listing.objects)
     return [(obj, save) for obj, save in found if save is not None], listing.server_time
+
+
+def live_saves(
+    data: Iterable[tuple[StoredObject, str]], now: datetime, *, writers: bool = True
+) -> set[str]:
+    """Ids of the saves whose lease was refreshed within ``LEASE_TTL`` before ``now``; without
+    ``writers``, only pins count (readers', and incremental saves' on what they reference:
+    `layout.is_pin`), not the writers' own leases (gc ``--break-leases`` breaks those)."""
+    fresh = now - timedelta(seconds=layout.LEASE_TTL)
+    return {
+        save_id
+        for obj, save_id in data
+        if layout.is_lease(obj.key) and (writers or layout.is_pin(obj.key)) and obj.modified > fresh
+    }

@@ -17,6 +17,10 @@ How DCP drives it (torch 2.13; see ``torch/distributed/checkpoint/storage.py``):
 Every rank holds the save's lease while it uploads, and the coordinator while it commits, so
 that gc, prune and rm leave a running save alone.
 
+With ``incremental=True`` the coordinator finds the run's previous committed checkpoint and pins it
+in ``prepare_global_plan``; each rank hashes its items beside its upload in ``write_data`` and
+references the unchanged ones instead of uploading them (`s3ckpt.dcp.incremental`).
+
 Data objects of a multi-rank save whose other ranks failed are not referenced by any
 ``.metadata`` and are left for garbage collection.
 
@@ -37,7 +41,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from concurrent.futures import Future as ConcurrentFuture
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -52,14 +56,16 @@ from torch.futures import Future
 from ..config import S3Config, WriteOptions
 from ..engine import bridge
 from ..engine.bridge import gather_or_cancel
-from ..errors import CheckpointExists, S3CkptError
+from ..errors import CheckpointExists, IncompleteCheckpoint, S3CkptError
 from ..format import layout
+from ..format.digests import digest
 from ..format.frames import FrameTable
 from ..format.packing import Packed, assign_objects, element_size
 from ..format.record import Locator, encode
 from ..format.tensorbytes import as_flat_bytes
 from .adapter import AtLocation, to_torch_future
 from .commit import Lease, commit, delete_quietly
+from .incremental import Base, Candidate, find_base
 from .staging import StagingBuffers
 
 __all__ = ["S3Writer"]
@@ -72,6 +78,8 @@ class _RankPlan:
     save_id: str
     rank: int
     spread: int
+    incremental: bool = False
+    candidates: dict[MetadataIndex, Candidate] = dataclasses.field(default_factory=dict)
 
 
 class S3Writer(AtLocation, StorageWriter):
@@ -87,6 +95,9 @@ class S3Writer(AtLocation, StorageWriter):
         async_staging: stage in a background thread; ``dcp.async_save`` then returns an
             ``AsyncSaveResponse`` whose ``staging_completion`` must finish before the state
             dict's tensors are modified (e.g. before the next ``optimizer.step()``).
+        incremental: reference the tensor chunks that are unchanged since the run's previous
+            committed checkpoint (the sibling prefix with the highest step below this one's)
+            instead of uploading them again; any `S3Reader` loads the result.
     """
 
     _synchronize_after_execute = False
@@ -100,14 +111,17 @@ class S3Writer(AtLocation, StorageWriter):
         options: WriteOptions | None = None,
         overwrite: bool = False,
         async_staging: bool = False,
+        incremental: bool = False,
     ) -> None:
         StorageWriter.__init__(self)
         AtLocation.__init__(self, bucket, prefix, config)
         self.options = options or WriteOptions()
         self.overwrite = overwrite
         self.async_staging = async_staging
+        self.incremental = incremental
         self.is_coordinator = False
         self._save_id: str | None = None
+        self._base: Base | None = None  # the coordinator's, while an incremental save runs
         self._staging = StagingBuffers()
         self._stager_thread: ThreadPoolExecutor | None = None
         self._reset_in: threading.Thread | None = None  # a save that began with `reset`
@@ -118,6 +132,7 @@ class S3Writer(AtLocation, StorageWriter):
         state["_staging"] = None
         state["_stager_thread"] = None
         state["_reset_in"] = None
+        state["_base"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -144,6 +159,7 @@ class S3Writer(AtLocation, StorageWriter):
     def close(self) -> None:
         """Release the staging buffers (pinned memory included) and the staging thread."""
         self._staging.wait_for_previous_save()
+        self._release_base()
         self._staging.release()
         if self._stager_thread is not None:
             self._stager_thread.shutdown(wait=True)
@@ -156,11 +172,13 @@ class S3Writer(AtLocation, StorageWriter):
         self._reset_in = threading.current_thread()
         self._move(checkpoint_id)
         self._save_id = None
+        self._release_base()
 
     def storage_meta(self) -> StorageMeta:
         if self._reset_in is not threading.current_thread():
             self._staging.save_started()
         self._reset_in = None
+        self._release_base()  # of a save that failed before its commit
         return StorageMeta(checkpoint_id=self.checkpoint_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, **kwargs: Any) -> None:
@@ -177,69 +195,125 @@ class S3Writer(AtLocation, StorageWriter):
         # The world size is known only now, when the save starts.
         objects = len(plans) * options.objects_per_rank
         spread = layout.spread_digits(objects) if options.spread_keys else 0
+        self._release_base()
+        if self.incremental:
+            # A save that fails before `finish` leaves its pins until the next save or
+            # `close` (or the process's end: then they expire like any lease).
+            self._base = bridge.run(find_base(self._store, self.location))
+        base, compression = self._base, options.compression
         return [
-            dataclasses.replace(plan, storage_data=_RankPlan(self._save_id, rank, spread))
+            dataclasses.replace(
+                plan,
+                storage_data=_RankPlan(
+                    self._save_id,
+                    rank,
+                    spread,
+                    self.incremental,
+                    {} if base is None else base.candidates(plan.items, compression),
+                ),
+            )
             for rank, plan in enumerate(plans)
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         rank_plan: _RankPlan = plan.storage_data
-        sizes = [_planned_size(item) for item in plan.items]
-        owner = assign_objects(sizes, self.options.objects_per_rank, self.config.part_size)
-        objects: dict[int, list[tuple[WriteItem, torch.Tensor | bytes]]] = {}
-        for item, obj in zip(plan.items, owner, strict=True):
+        members: _Members = []
+        for item in plan.items:
             data = planner.resolve_data(item)
             value = data.getvalue() if isinstance(data, io.BytesIO) else as_flat_bytes(data)
-            objects.setdefault(obj, []).append((item, value))
-        element = {
-            item.index: element_size(item.tensor_data.properties.dtype)
-            for item in plan.items
-            if item.tensor_data is not None
-        }
-
-        results: list[WriteResult] = []
-        uploads: dict[str, Packed] = {}
-        nonce = secrets.token_hex(3)
-        for obj, members in sorted(objects.items()):
-            relative = layout.data_key(
-                rank_plan.save_id, rank_plan.rank, obj, rank_plan.spread, nonce
-            )
-            packed = Packed(
-                [value for _, value in members],
-                [element.get(item.index) for item, _ in members],
-                self.options.frame_size,
-            )
-            uploads[relative] = packed
-            for (item, _), start, length in zip(
-                members, packed.starts, packed.lengths, strict=True
-            ):
-                stored = _Stored(Locator(relative, start, length))
-                results.append(WriteResult(item.index, length, stored))
-        upload = self._upload(uploads, results, rank_plan.save_id)
+            members.append((item, value))
+        sizes = [_planned_size(item) for item, _ in members]
+        owner = assign_objects(sizes, self.options.objects_per_rank, self.config.part_size)
+        objects: dict[int, _Members] = {}
+        for member, obj in zip(members, owner, strict=True):
+            objects.setdefault(obj, []).append(member)
+        place = _Placing(rank_plan, secrets.token_hex(3), self.options.frame_size)
+        if rank_plan.incremental:
+            source = self._changed(objects, place)
+        else:
+            source = _each(place.packed(obj, found, {}) for obj, found in sorted(objects.items()))
+        upload = self._upload(source, place.results, rank_plan.save_id)
         return to_torch_future(bridge.submit(upload))
 
+    async def _changed(
+        self, objects: dict[int, _Members], place: _Placing
+    ) -> AsyncIterator[tuple[str, Packed]]:
+        """Each object's items hashed in a worker thread, one object after the other, so that
+        the next object hashes while the previous ones upload; the items that changed go up
+        in the object, the others are referenced."""
+        loop, candidates = asyncio.get_running_loop(), place.rank_plan.candidates
+        for obj, members in sorted(objects.items()):
+            digests = await loop.run_in_executor(None, _hash_all, members)
+            changed: _Members = []
+            for item, value in members:
+                candidate = candidates.get(item.index)
+                if candidate is not None and digests.get(item.index) == candidate[0]:
+                    stored = _Stored(candidate[1], digest=candidate[0])
+                    place.results.append(WriteResult(item.index, candidate[1].length, stored))
+                else:
+                    changed.append((item, value))
+            if changed:
+                yield place.packed(obj, changed, digests)
+
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        try:
+            self._finish(metadata, results)
+        finally:
+            # Left to expire, not deleted: the record may have landed even when the commit
+            # raised (see `incremental`).
+            base, self._base = self._base, None
+            if base is not None:
+                bridge.run(base.pins.leave())
+
+    def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         locators: dict[MetadataIndex, Locator] = {}
         frames: dict[str, FrameTable] = {}
+        digests: dict[MetadataIndex, str] = {}
+        referenced: set[str] = set()
         for rank_results in results:
             for result in rank_results:
                 stored: _Stored = result.storage_data
                 locators[result.index] = stored.locator
+                if stored.digest is not None:
+                    digests[result.index] = stored.digest
                 if stored.frames is not None:
                     frames[stored.locator.key] = stored.frames
+                if layout.is_reference(stored.locator.key):
+                    referenced.add(stored.locator.key)
         if self._save_id is None:
             raise S3CkptError(f"finish() for {self.checkpoint_id} without a planned save")
+        pinned = {} if self._base is None else self._base.frames
+        stray = sorted(referenced - pinned.keys())
+        if stray:
+            # Only the base's objects are pinned: DCP's plan caching can hand a rank an
+            # earlier save's references.
+            raise IncompleteCheckpoint(
+                f"{self.checkpoint_id}: not committed: a rank referenced {stray[0]!r}, which the "
+                "base checkpoint of this save does not hold (a save plan cached from an earlier "
+                "save?); save again without plan caching",
+                url=self.checkpoint_id,
+            )
+        tables = frames | {key: pinned[key] for key in referenced}
         record = encode(
             metadata,
             locators,
             save_id=self._save_id,
             created=time.time(),
-            objects={key: table.size for key, table in frames.items()},
-            frames=frames,
+            objects={key: table.size for key, table in tables.items()},
+            frames=tables,
             extra=self._recorded(len(results)),
+            digests=digests,
         )
-        objects = {self.location.key(key): table.size for key, table in frames.items()}
-        bridge.run(self._commit(record, objects, self._save_id))
+        key = self.location.key
+        objects = {key(relative): table.size for relative, table in frames.items()}
+        references = {key(relative): pinned[relative].size for relative in referenced}
+        bridge.run(self._commit(record, objects, references, self._save_id))
+
+    def _release_base(self) -> None:
+        """Drop the pins of a save that did not commit."""
+        base, self._base = self._base, None
+        if base is not None:
+            bridge.run(base.pins.release())
 
     def _recorded(self, world_size: int) -> dict[str, Any]:
         """The record's ``extra``: what `s3ckpt info` shows and the rest of the record does not
@@ -273,7 +347,9 @@ class S3Writer(AtLocation, StorageWriter):
                 url=self.checkpoint_id,
             )
 
-    async def _commit(self, record: bytes, objects: dict[str, int], save_id: str) -> None:
+    async def _commit(
+        self, record: bytes, objects: dict[str, int], references: dict[str, int], save_id: str
+    ) -> None:
         lease = Lease(self._store, self.location, save_id)
         try:
             async with lease.held():
@@ -284,15 +360,20 @@ class S3Writer(AtLocation, StorageWriter):
                     objects,
                     save_id=save_id,
                     overwrite=self.overwrite,
+                    references=references,
                 )
         finally:
             await lease.release()
 
     async def _upload(
-        self, uploads: dict[str, Packed], results: list[WriteResult], save_id: str
+        self,
+        uploads: AsyncIterator[tuple[str, Packed]],
+        results: list[WriteResult],
+        save_id: str,
     ) -> list[WriteResult]:
-        """Upload the objects under the save's lease, checksumming their frames; the results
-        carry the frame tables."""
+        """Upload the objects under the save's lease as ``uploads`` yields them (``results`` is
+        complete once it is exhausted), checksumming their frames; the results carry the frame
+        tables."""
         lease = Lease(self._store, self.location, save_id)
         try:
             async with lease.held():
@@ -302,7 +383,7 @@ class S3Writer(AtLocation, StorageWriter):
             raise
 
     async def _upload_all(
-        self, uploads: dict[str, Packed], results: list[WriteResult]
+        self, uploads: AsyncIterator[tuple[str, Packed]], results: list[WriteResult]
     ) -> list[WriteResult]:
         store, bucket, loop = self._store, self.location.bucket, asyncio.get_running_loop()
         tables: dict[str, FrameTable] = {}
@@ -323,11 +404,23 @@ class S3Writer(AtLocation, StorageWriter):
             sizes, crcs, codecs = (tuple(entry[i] for entry in entries) for i in range(3))
             tables[relative] = FrameTable(frame_size, sizes, crcs, codecs, packed.size)
 
+        started: list[asyncio.Future[None]] = []
+        keys: list[str] = []
         try:
-            await gather_or_cancel(one(relative, p) for relative, p in uploads.items())
+            async for relative, packed in uploads:
+                failed = next(
+                    (t for t in started if t.done() and not t.cancelled() and t.exception()), None
+                )
+                if failed is not None:
+                    await failed
+                keys.append(self.location.key(relative))
+                started.append(asyncio.ensure_future(one(relative, packed)))
+            await gather_or_cancel(started)
         except BaseException:
+            for task in started:
+                task.cancel()
+            await asyncio.gather(*started, return_exceptions=True)
             # Every key, not only finished ones: a cancelled PUT or Complete may still land.
-            keys = [self.location.key(relative) for relative in uploads]
             await delete_quietly(store, bucket, keys, f"{self.checkpoint_id}: a failed save")
             raise
         # The coordinator learns each object's frame table from its first item's result.
@@ -365,10 +458,51 @@ class S3Writer(AtLocation, StorageWriter):
 
 @dataclass
 class _Stored:
-    """A WriteResult's storage data: where the item is, and (once per object) its frames."""
+    """A WriteResult's storage data: where the item is, (once per object) its frames, and (in
+    incremental saves) its digest."""
 
     locator: Locator
     frames: FrameTable | None = None
+    digest: str | None = None
+
+
+_Members = list[tuple[WriteItem, torch.Tensor | bytes]]
+
+
+@dataclass
+class _Placing:
+    """How one rank's objects are named and laid out, and the results of its items so far."""
+
+    rank_plan: _RankPlan
+    nonce: str
+    frame_size: int
+    results: list[WriteResult] = dataclasses.field(default_factory=list)
+
+    def packed(
+        self, obj: int, members: _Members, digests: dict[MetadataIndex, str]
+    ) -> tuple[str, Packed]:
+        """Object ``obj`` holding ``members``, and (in ``results``) where each item is in it."""
+        plan = self.rank_plan
+        relative = layout.data_key(plan.save_id, plan.rank, obj, plan.spread, self.nonce)
+        elements = [
+            None if item.tensor_data is None else element_size(item.tensor_data.properties.dtype)
+            for item, _ in members
+        ]
+        packed = Packed([value for _, value in members], elements, self.frame_size)
+        for (item, _), start, length in zip(members, packed.starts, packed.lengths, strict=True):
+            stored = _Stored(Locator(relative, start, length), digest=digests.get(item.index))
+            self.results.append(WriteResult(item.index, length, stored))
+        return relative, packed
+
+
+async def _each(uploads: Iterable[tuple[str, Packed]]) -> AsyncIterator[tuple[str, Packed]]:
+    for upload in uploads:
+        yield upload
+
+
+def _hash_all(members: _Members) -> dict[MetadataIndex, str]:
+    """The tensor items' digests (worker thread: xxh3 releases the GIL)."""
+    return {item.index: digest(value) for item, value in members if item.tensor_data is not None}
 
 
 def _planned_size(item: WriteItem) -> int:

@@ -6,6 +6,11 @@ an object that a committed checkpoint references: replacing a checkpoint is one 
 ``.metadata``, and a save that dies leaves only objects that no ``.metadata`` names. While a save
 runs, its lease ``prefix/data-<save_id>/.lease`` is rewritten every ``LEASE_TTL / 4`` seconds;
 removals leave a save alone while its lease is younger than ``LEASE_TTL`` (see `s3ckpt.dcp.commit`).
+
+An incremental save's record may also reference data objects of its siblings (checkpoints under
+the same parent prefix, the run): such a key is relative to the checkpoint too,
+``../<sibling>/data-<save_id>/<name>`` (`reference`), and always names the object that holds the
+bytes, never a record in between (see `s3ckpt.dcp.incremental`).
 """
 
 from __future__ import annotations
@@ -21,12 +26,17 @@ __all__ = [
     "LEASE_NAME",
     "LEASE_TTL",
     "METADATA_NAME",
+    "PIN_GRACE",
     "Location",
     "data_key",
     "is_lease",
+    "is_pin",
+    "is_reference",
     "lease_key",
     "new_save_id",
     "rank_of",
+    "reference",
+    "referenced_save",
     "save_of",
     "spread_digits",
 ]
@@ -36,6 +46,10 @@ LEASE_NAME = ".lease"
 # Seconds a lease protects its save after its last refresh, by the server's clock. Part of the
 # on-store protocol: writers refresh four times within it, removals read it.
 LEASE_TTL = 60.0
+# Seconds a removal may take from reading a run's records to listing the leases in what it
+# deletes (else it looks again). An incremental save leaves its pins refreshed at its commit, to
+# expire LEASE_TTL later: so a removal that read the records before that commit sees the pins.
+PIN_GRACE = LEASE_TTL / 2
 
 
 @dataclass(frozen=True)
@@ -63,7 +77,19 @@ class Location:
     def url(self) -> str:
         return f"s3://{self.bucket}/{self.prefix}"
 
+    @property
+    def name(self) -> str:
+        """The last component of the prefix: what a sibling's reference calls this checkpoint."""
+        return self.prefix.rpartition("/")[2]
+
+    @property
+    def parent(self) -> Location:
+        """The run this checkpoint belongs to: the prefix one level up."""
+        return Location(self.bucket, self.prefix.rpartition("/")[0])
+
     def key(self, relative: str) -> str:
+        if relative.startswith(_UP):
+            return self.parent.key(relative[len(_UP) :])
         return f"{self.prefix}/{relative}" if self.prefix else relative
 
     @property
@@ -126,8 +152,42 @@ def rank_of(key: str) -> int | None:
     return int(name["rank"]) if name else None
 
 
+_UP = "../"
+_REFERENCE = re.compile(r"\.\./(?P<sibling>[^/]+)/(?P<data>data-[^/]+/.+)")
+
+
+def reference(base: str, key: str) -> str:
+    """``key``, relative to the checkpoint named ``base``, made relative to a sibling of it.
+
+    A key that is already a reference stays as it is: siblings share their parent, so the same
+    text names the same object from each of them (a reference never chains).
+    """
+    return key if key.startswith(_UP) else f"{_UP}{base}/{key}"
+
+
+def is_reference(key: str) -> bool:
+    """Whether a record's key names a sibling checkpoint's object rather than one of its own."""
+    return key.startswith(_UP)
+
+
+def referenced_save(key: str) -> tuple[str, str] | None:
+    """``(sibling, save_id)`` of the save whose object a valid reference names, else None."""
+    match = _REFERENCE.fullmatch(key)
+    if match is None or match["sibling"] in (".", ".."):
+        return None
+    save = save_of(match["data"])
+    return None if save is None else (match["sibling"], save)
+
+
 def is_lease(key: str) -> bool:
     return key.rpartition("/")[2] == LEASE_NAME
+
+
+def is_pin(key: str) -> bool:
+    """A lease with a token of its own, ``data-<save_id>/<token>/.lease``: a reader's, or an
+    incremental save's on a save it references (`s3ckpt.dcp.commit.ReadLease`)."""
+    parts = key.split("/")
+    return len(parts) >= 3 and parts[-1] == LEASE_NAME and parts[-3].startswith("data-")
 
 
 def spread_digits(objects: int) -> int:

@@ -7,6 +7,14 @@ running somewhere is left alone even if it started long ago. No removal touches 
 lease is live (`s3ckpt.dcp.commit`), whatever ``older_than`` says, nor a checkpoint whose
 ``.metadata`` it cannot read: what that record references is unknown.
 
+Incremental saves reference their siblings' objects, so no removal deletes an object that a
+committed record of the run lists (`s3ckpt.dcp.references`): such objects are *kept*, in a
+directory without a ``.metadata`` once their own checkpoint is gone, until the last record
+referencing them is removed. Removals check this when they plan, and again after deleting the
+records they remove, as the last step before deleting data: a save that pinned its base
+(`s3ckpt.dcp.incremental`) before that check is seen by its lease, and one that did not sees the
+base's record gone and references nothing of it.
+
 Removals plan, then call ``confirm`` (in the caller's thread) with what they would remove, and
 only then delete. The I/O runs on the `bridge` loop through the shared `ObjectStore`.
 """
@@ -20,6 +28,7 @@ from datetime import datetime, timedelta
 
 from ..config import S3Config
 from ..dcp.prefix import saves
+from ..dcp.references import protected, run_of
 from ..engine import bridge
 from ..engine.contract import ObjectStore, StoredObject, Upload
 from ..engine.store import get_store
@@ -54,6 +63,7 @@ class Removal:
     aborted: tuple[Upload, ...] = ()
     bytes_freed: int = 0
     upload_bytes: int = 0
+    kept: tuple[str, ...] = ()  # objects spared: other checkpoints of the run reference them
 
 
 @dataclass(frozen=True)
@@ -79,6 +89,7 @@ class _Target:
     upload_bytes: int = 0  # what the parts of ``uploads`` hold
     young: list[str] = field(default_factory=list)  # gc: kept, their save is recent
     young_uploads: list[Upload] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)  # referenced by other records of the run
 
 
 def delete(
@@ -92,6 +103,7 @@ def delete(
     multipart uploads. If ``confirm`` declines, nothing is deleted (an empty Removal returns)."""
     location, store = scan.location_of(url), get_store(config)
     target = bridge.run(_plan_delete(store, location))
+    bridge.run(_spare(store, [target]))
     if confirm is not None and not confirm(_preview(location.bucket, [target])):
         return Removal(location.bucket)
     return bridge.run(_remove(store, location, [target], progress, guarded=False))[0]
@@ -116,6 +128,7 @@ def prune(
         raise ConfigError(f"keep must be >= 1 (the latest checkpoint is never pruned), got {keep}")
     location, store = scan.location_of(url), get_store(config)
     plan = bridge.run(_plan_prune(store, location, keep))
+    bridge.run(_spare(store, [target for _, target in plan]))
     if not plan or (confirm is not None and not confirm([info for info, _ in plan])):
         return []
     targets = [target for _, target in plan]
@@ -136,18 +149,22 @@ def gc(
     """Delete data objects no committed ``.metadata`` references and abort multipart uploads, in
     the checkpoint at ``url`` and those directly under it, of saves that have written nothing for
     ``older_than`` by the server's clock: a more recent one may still be running. A save whose
-    lease is live is spared too, unless ``break_leases`` (for writers known to be dead)."""
+    lease is live is spared too, unless ``break_leases`` (for writers known to be dead); pins
+    (`layout.is_pin`: readers', and incremental saves' on what they reference) are never
+    broken, they expire on their own."""
     if older_than < timedelta(0):
         raise ConfigError(f"older_than must not be negative, got {older_than}")
     location, store = scan.location_of(url), get_store(config)
     targets = bridge.run(_plan_gc(store, location, older_than, break_leases))
+    bridge.run(_spare(store, targets, writers=not break_leases))
     young = [key for t in targets for key in t.young]
     young_uploads = [upload for t in targets for upload in t.young_uploads]
     targets = [t for t in targets if t.objects or t.uploads]
     report = _report(_preview(location.bucket, targets), young, young_uploads)
     if dry_run or (confirm is not None and not confirm(report)):
         return report
-    removal, dropped = bridge.run(_remove(store, location, targets, progress, guarded=True))
+    removing = _remove(store, location, targets, progress, guarded=True, writers=not break_leases)
+    removal, dropped = bridge.run(removing)
     young += [obj.key for t in dropped for obj in t.objects]
     return _report(removal, young, young_uploads + [u for t in dropped for u in t.uploads], False)
 
@@ -161,6 +178,7 @@ def _report(
         removal.aborted,
         removal.bytes_freed,
         removal.upload_bytes,
+        kept=removal.kept,
         skipped=tuple(young),
         skipped_uploads=tuple(young_uploads),
         dry_run=dry_run,
@@ -260,7 +278,7 @@ async def _gc_one(
         keep_id = found.checkpoint.save_id
         referenced = {location.key(key) for key in found.checkpoint.objects}
     data, now = await saves(store, location)
-    live = set() if break_leases else scan.live_saves(data, now)
+    live = scan.live_saves(data, now, writers=not break_leases)
     by_save: dict[str, tuple[list[StoredObject], list[Upload]]] = {}
     for obj, save_id in data:
         # The committed save's objects stay, but not its lease once that has expired.
@@ -313,7 +331,29 @@ def _preview(bucket: str, targets: list[_Target]) -> Removal:
         tuple(upload for t in targets for upload in t.uploads),
         sum((t.record_size or 0) + sum(obj.size for obj in t.objects) for t in targets) + in_parts,
         in_parts,
+        tuple(key for t in targets for key in t.kept),
     )
+
+
+async def _spare(store: ObjectStore, targets: list[_Target], *, writers: bool = True) -> None:
+    """Take out of the targets' objects those that a committed record of their run references
+    (besides the records being removed), and those of saves whose lease is live now (without
+    ``writers``, gc breaking them, only pins count: `references.protected`)."""
+    removing = {t.location.metadata_key for t in targets if t.record_size is not None}
+    holding = [t for t in targets if t.objects]
+    found = await protected(
+        store, [t.location for t in holding], ignoring=removing, writers=writers
+    )
+    for target in holding:
+        used = found.used[run_of(target.location)]
+        if used.unknown:
+            log.warning(
+                "%s: data kept: what %s references is unknown", target.location.url, used.unknown[0]
+            )
+        kept = {obj.key for obj in target.objects if found.keeps(target.location, obj.key)}
+        if kept:
+            target.objects = [obj for obj in target.objects if obj.key not in kept]
+            target.kept += sorted(kept)
 
 
 async def _unchanged(store: ObjectStore, target: _Target) -> bool:
@@ -328,6 +368,7 @@ async def _remove(
     progress: Progress | None,
     *,
     guarded: bool,
+    writers: bool = True,
 ) -> tuple[Removal, list[_Target]]:
     """Every ``.metadata`` first, then data objects, then uploads. Returns what was removed and
     (when ``guarded``) the targets skipped because their ``.metadata`` changed since planning."""
@@ -348,6 +389,8 @@ async def _remove(
     advance(0)
     records = [t.location.metadata_key for t in targets if t.record_size is not None]
     await _delete(store, plan.bucket, records, advance, f"cannot remove {location.url}")
+    await _spare(store, targets, writers=writers)  # again, now that the records are gone
+    plan = _preview(location.bucket, targets)
     doing = f"deleting unreferenced data objects under {location.url} failed"
     if records:
         doing = (
@@ -360,7 +403,9 @@ async def _remove(
         lambda u: _abort(store, plan.bucket, u, advance, doing), plan.aborted, store
     )
     done_uploads = tuple(u for u, ok in zip(plan.aborted, aborted, strict=True) if ok)
-    removal = Removal(plan.bucket, plan.deleted, done_uploads, plan.bytes_freed, plan.upload_bytes)
+    removal = Removal(
+        plan.bucket, plan.deleted, done_uploads, plan.bytes_freed, plan.upload_bytes, plan.kept
+    )
     return removal, dropped
 
 

@@ -15,11 +15,11 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from typing import Any, TypeVar
 
 from ..config import parse_s3_url
-from ..dcp.prefix import AtPrefix, State, read_prefix
+from ..dcp.prefix import AtPrefix, State, live_saves, read_prefix
 from ..dcp.prefix import step_of as step_of_prefix
 from ..engine.bridge import gather_or_cancel
 from ..engine.contract import ObjectStore, StoredObject, Upload
@@ -61,7 +61,9 @@ Transfer = Callable[[int, int, int, int], None]
 
 @dataclass(frozen=True)
 class CheckpointInfo:
-    """One checkpoint as a listing shows it; ``state`` is committed, incomplete or unreadable.
+    """One checkpoint as a listing shows it; ``state`` is committed, incomplete or unreadable
+    (or, in ``s3ckpt ls``, referenced: removed, but later checkpoints of the run reference all
+    of its remaining objects, which stay until none does).
 
     A committed one counts ``.metadata`` and the objects it references (leftovers of failed saves
     are `gc`'s business). An incomplete one counts its data objects and the parts of its
@@ -70,7 +72,9 @@ class CheckpointInfo:
     is listed like an incomplete one, with the reason in ``unreadable``; removals never delete it.
 
     What the record says of the save (``None`` for an incomplete one): ``world_size``,
-    ``tensors``, ``logical_bytes`` (the state's bytes) and ``stored_bytes`` (its data objects'),
+    ``tensors``, ``logical_bytes`` (the state's bytes), ``stored_bytes`` (its own data objects')
+    and ``referenced_bytes`` (the state's bytes it references in earlier checkpoints of the run
+    instead of storing them: incremental saves), ``references`` (those checkpoints' names),
     ``frame_size``, and what `S3Writer` records in ``extra`` (``None`` in records written before
     it did): ``compression`` (``"zstd"``; ``None`` with ``torch_version`` set: stored raw),
     ``compression_level``, ``s3ckpt_version``, ``torch_version``.
@@ -94,6 +98,8 @@ class CheckpointInfo:
     tensors: int | None = None
     logical_bytes: int | None = None
     stored_bytes: int = 0
+    referenced_bytes: int = 0
+    references: tuple[str, ...] = ()
     uploads: int = 0  # multipart uploads in progress (counted for incomplete checkpoints)
     upload_bytes: int = 0  # the bytes of their parts so far
     unreadable: str | None = None  # why ``.metadata`` cannot be read (then not ``committed``)
@@ -140,12 +146,6 @@ async def run_all(
 def is_old(when: datetime, cutoff: datetime) -> bool:
     """In whole seconds, like the Date header: with ``older_than=0`` all that was listed is old."""
     return when.replace(microsecond=0) <= cutoff
-
-
-def live_saves(data: Iterable[tuple[StoredObject, str]], now: datetime) -> set[str]:
-    """Ids of the saves whose lease was refreshed within ``LEASE_TTL`` before ``now``."""
-    fresh = now - timedelta(seconds=layout.LEASE_TTL)
-    return {save_id for obj, save_id in data if layout.is_lease(obj.key) and obj.modified > fresh}
 
 
 async def uploads(store: ObjectStore, location: Location) -> dict[str, list[tuple[Upload, str]]]:
@@ -198,7 +198,7 @@ def found(at: AtPrefix) -> Found:
         state="committed",
         committed=True,
         total_bytes=checkpoint.stored_bytes + at.record_size,
-        num_objects=len(checkpoint.objects) + 1,
+        num_objects=sum(not layout.is_reference(key) for key in checkpoint.objects) + 1,
         created=created,
         step=step_of(location),
         save_id=checkpoint.save_id,
@@ -211,6 +211,10 @@ def found(at: AtPrefix) -> Found:
         tensors=checkpoint.tensors,
         logical_bytes=checkpoint.logical_bytes,
         stored_bytes=checkpoint.stored_bytes,
+        referenced_bytes=checkpoint.referenced_bytes,
+        references=tuple(
+            sorted({found[0] for found in map(layout.referenced_save, checkpoint.objects) if found})
+        ),
     )
     return Found(info, location, at.etag, at.record_size, checkpoint)
 

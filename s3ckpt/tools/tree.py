@@ -9,6 +9,7 @@ ten runs of a hundred checkpoints of 33 objects each is 33 LIST requests.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from dataclasses import dataclass, field
@@ -116,6 +117,20 @@ async def survey_all(store: ObjectStore, location: Location) -> list[Found]:
     `tree_order` (see `listed` for what it costs)."""
     candidates = await listed(store, location, with_uploads=True)
     found = await run_all(lambda c: _inspect_listed(store, c), candidates, store)
+    referenced = {
+        f.location.key(key)
+        for f in found
+        if f is not None and f.checkpoint is not None
+        for key in f.checkpoint.objects
+        if layout.is_reference(key)
+    }
+    for i, (candidate, f) in enumerate(zip(candidates, found, strict=True)):
+        if f is not None and f.info.state == "incomplete" and not candidate.uploads:
+            data = [obj.key for obj in candidate.data if not layout.is_lease(obj.key)]
+            if data and all(key in referenced for key in data):
+                found[i] = dataclasses.replace(
+                    f, info=dataclasses.replace(f.info, state="referenced")
+                )
     return [f for f in found if f is not None]
 
 

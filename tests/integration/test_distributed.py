@@ -62,3 +62,33 @@ def test_async_save_process_mode_on_two_ranks(s3: Any, bucket: str) -> None:
     mp.spawn(dist_workers.process_mode_sharded, args=args, nprocs=2)
     ranks = {k.split("/")[-1][:5] for k in listing(s3.client, bucket) if "process-2/data-" in k}
     assert ranks == {"00000", "00001"}
+
+
+def test_incremental_saves_on_two_ranks_reference_each_ranks_unchanged_shards(
+    s3: Any, bucket: str
+) -> None:
+    from s3ckpt.tools.catalog import describe
+
+    config, run = s3.config(), f"s3://{bucket}/run"
+    for step, layout, bump in ((1, "a", 0.0), (2, "a", 1.0), (3, "b", 1.0)):
+        args = (2, free_port(), config, f"{run}/step-{step}", layout, bump)
+        mp.spawn(dist_workers.save_incremental, args=args, nprocs=2)
+    full = dist_workers.reference_state()
+    second, _ = describe(f"{run}/step-2", config)
+    moved = full["rows"].numel() * full["rows"].element_size()
+    plain = full["replicated"].numel() * 4  # "plain": a copy of it, not a DTensor
+    unchanged = sum(t.numel() * t.element_size() for n, t in full.items() if n != "rows") + plain
+    # Both ranks referenced their unchanged shards (replicated tensors are saved once).
+    assert second.references == ("step-1",)
+    assert second.referenced_bytes == unchanged
+    assert moved <= second.stored_bytes < moved + unchanged
+    # Resharded: only the chunks at the same offsets (the replicated tensors) are referenced.
+    third, _ = describe(f"{run}/step-3", config)
+    assert third.referenced_bytes == 2 * plain
+    for url in (f"{run}/step-2", f"{run}/step-3"):
+        loaded: dict[str, Any] = {k: torch.zeros_like(v) for k, v in full.items()}
+        loaded.update(plain=torch.zeros_like(full["replicated"]), step=0)
+        dcp.load(loaded, storage_reader=S3Reader(url, config=config))
+        assert torch.equal(loaded["rows"], full["rows"] + 1)
+        for name in ("cols", "cube", "replicated"):
+            assert torch.equal(loaded[name], full[name]), name

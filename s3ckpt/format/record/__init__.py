@@ -31,6 +31,14 @@ Layout (the file is compact UTF-8 with sorted keys; spaced out here for reading)
 ``planner_data`` is plain JSON except that a Python tuple is written as ``{"__tuple__": [...]}``,
 so the default planners' ``{fqn: ("a", 0, "b")}`` paths come back as tuples, exactly.
 
+Incremental saves (format version 2) add two things. A chunk may carry ``"xxh3"``, the xxh3-128
+digest of its bytes (32 hex digits), which the next save compares. And a key in ``objects``,
+``frames`` and the locators may reference a sibling checkpoint's data object,
+``../<sibling>/data-<save_id>/<name>`` (`layout.reference`), listed with its size and frame table
+like the record's own objects, so that the record loads alone. Records of incremental saves are
+version 2, which older s3ckpt refuses as "written by a newer s3ckpt" (and so never removes:
+it does not know that later checkpoints may reference a base's objects); others stay version 1.
+
 ``extra`` is free-form; `S3Writer` records there what the tools show and the rest of the record
 does not say: ``world_size``, ``compression`` (``"zstd"`` or null), ``compression_level`` and
 ``shuffle`` (null when uncompressed), ``s3ckpt_version`` and ``torch_version``. Records written

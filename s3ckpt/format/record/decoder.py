@@ -27,6 +27,7 @@ from ..jsoncheck import (
     show,
     unique_pairs,
 )
+from ..layout import is_reference
 from .model import (
     DTYPE_SIZES,
     FORMAT,
@@ -43,6 +44,7 @@ from .model import (
     TensorEntry,
     check_locator,
     gc_paused,
+    is_digest,
     is_valid_key,
 )
 from .tiling import Box, check_chunk, check_extent, check_tiling
@@ -124,6 +126,8 @@ def _decode_record(data: bytes, url: str) -> Checkpoint:
     for key, size in as_dict(get_field(record, "objects", ""), "objects").items():
         if not is_valid_key(key):
             fail(f"objects: {show(key)} is not a relative object key")
+        if version < 2 and is_reference(key):
+            fail(f"objects: {key!r} references another checkpoint, which version 1 cannot")
         objects[key] = as_count(size, f"objects[{key!r}]")
 
     frames: dict[str, FrameTable] = {}
@@ -197,7 +201,10 @@ def _decode_tensor(entry: dict[str, Any], objects: Mapping[str, int], where: str
         if count:
             boxes.append((position, offsets, sizes))
         volume += count
-        chunks.append(Chunk(offsets, sizes, locator))
+        digest = chunk.get("xxh3")
+        if digest is not None and not is_digest(digest):
+            fail(f"{at}.xxh3: expected 32 hex digits, got {show(digest)}")
+        chunks.append(Chunk(offsets, sizes, locator, digest))
     check_tiling(size, volume, boxes, where)
     return TensorEntry(dtype, size, layout, memory_format, requires_grad, pin_memory, chunks)
 

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.metadata import (
 from ...errors import MetadataError
 from ..frames import FrameTable
 from ..jsoncheck import Invalid, all_counts, fail, is_count, joined, show
+from ..layout import is_reference
 from .model import (
     FORMAT,
     FORMAT_VERSION,
@@ -29,6 +30,7 @@ from .model import (
     Locator,
     check_locator,
     gc_paused,
+    is_digest,
     is_valid_key,
 )
 from .tiling import Box, check_chunk, check_extent, check_tiling
@@ -46,11 +48,13 @@ def encode(
     objects: Mapping[str, int],
     frames: Mapping[str, FrameTable],
     extra: Mapping[str, Any] | None = None,
+    digests: Mapping[MetadataIndex, str] | None = None,
 ) -> bytes:
     """Serialize a commit record; raises MetadataError rather than commit one that cannot load.
 
     ``locators`` must hold exactly one entry per tensor chunk and bytes item of ``metadata``;
-    ``metadata.storage_data`` is ignored (the locators are the storage data).
+    ``metadata.storage_data`` is ignored (the locators are the storage data). ``digests`` are
+    the chunks' xxh3-128 digests (incremental saves), recorded for the next save to match.
     """
     try:
         with gc_paused():
@@ -61,7 +65,9 @@ def encode(
                 fail("frames: a frame table for an object not in objects")
             # Locators point into raw (uncompressed) bytes; `objects` records stored sizes.
             raw_sizes = {key: table.raw_size for key, table in frames.items()}
-            record = _encode_record(metadata, locators, save_id, created, raw_sizes, extra)
+            record = _encode_record(
+                metadata, locators, save_id, created, raw_sizes, extra, digests or {}
+            )
             record["objects"] = dict(objects)
             record["frames"] = {key: table.to_json() for key, table in frames.items()}
             text = json.dumps(
@@ -81,6 +87,7 @@ def _encode_record(
     created: float,
     objects: Mapping[str, int],
     extra: Mapping[str, Any] | None,
+    digests: Mapping[MetadataIndex, str],
 ) -> dict[str, Any]:
     if not isinstance(metadata, Metadata):
         fail(f"metadata: expected a DCP Metadata, got {type(metadata).__name__}")
@@ -123,7 +130,7 @@ def _encode_record(
         if not isinstance(fqn, str):
             fail(f"{where}: fqn must be a str")
         if isinstance(item, TensorStorageMetadata):
-            state_dict[fqn] = _encode_tensor(fqn, item, locate, where)
+            state_dict[fqn] = _encode_tensor(fqn, item, locate, digests, where)
         elif isinstance(item, BytesStorageMetadata):
             state_dict[fqn] = {"type": "bytes", "locator": locate(MetadataIndex(fqn), where)}
         else:
@@ -134,9 +141,12 @@ def _encode_record(
         shown = ", ".join(f"({i.fqn!r}, {show(i.offset)})" for i in unused[:3])
         fail(f"{len(unused)} locator(s) match no item in the metadata, e.g. {shown}")
 
+    # Records of incremental saves (digests, references) need a reader, and a remover, that
+    # knows references: an older s3ckpt would delete a base's objects that others reference.
+    incremental = bool(digests) or any(is_reference(key) for key in object_sizes)
     return {
         "format": FORMAT,
-        "version": FORMAT_VERSION,
+        "version": FORMAT_VERSION if incremental else 1,
         "save_id": save_id,
         "created": float(created),
         "dcp_version": metadata.version,
@@ -152,6 +162,7 @@ def _encode_tensor(
     fqn: str,
     item: TensorStorageMetadata,
     locate: Callable[[MetadataIndex, str], dict[str, Any]],
+    digests: Mapping[MetadataIndex, str],
     where: str,
 ) -> dict[str, Any]:
     props = item.properties
@@ -177,12 +188,19 @@ def _encode_tensor(
         if tuple(offsets) in seen:
             fail(f"{at}: two chunks start at offsets {offsets}")
         seen.add(tuple(offsets))
-        locator = locate(MetadataIndex(fqn, offsets), at)
+        index = MetadataIndex(fqn, offsets)
+        locator = locate(index, at)
         count = check_extent(locator["length"], sizes, props.dtype.itemsize, dtype, at)
         if count:
             boxes.append((position, offsets, sizes))
         volume += count
-        chunks.append({"offsets": offsets, "sizes": sizes, "locator": locator})
+        encoded = {"offsets": offsets, "sizes": sizes, "locator": locator}
+        digest = digests.get(index)
+        if digest is not None:
+            if not is_digest(digest):
+                fail(f"{at}: digest {show(digest)} is not 32 hex digits")
+            encoded["xxh3"] = digest
+        chunks.append(encoded)
     check_tiling(size, volume, boxes, where)
     return {
         "type": "tensor",

@@ -18,12 +18,15 @@ from typing import TYPE_CHECKING, Any
 
 from ..frames import FrameTable
 from ..jsoncheck import fail, is_count, joined, show
+from ..layout import is_reference, referenced_save
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 FORMAT = "s3ckpt"
-FORMAT_VERSION = 1
+# Version 2 added references to siblings' objects and chunk digests (incremental saves); other
+# records are still written as version 1, which older readers load.
+FORMAT_VERSION = 2
 
 TUPLE_TAG = "__tuple__"
 
@@ -81,11 +84,13 @@ class Locator:
 
 @dataclass(frozen=True, slots=True)
 class Chunk:
-    """One stored piece of a tensor: where it starts in the tensor, its sizes, its bytes."""
+    """One stored piece of a tensor: where it starts in the tensor, its sizes, its bytes, and
+    (from incremental saves) the xxh3-128 digest of those bytes, 32 hex digits."""
 
     offsets: list[int]
     sizes: list[int]
     locator: Locator
+    digest: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,8 +179,20 @@ class Checkpoint:
 
     @property
     def stored_bytes(self) -> int:
-        """The data objects' bytes as stored (compressed, if they are)."""
-        return sum(self.objects.values())
+        """The bytes of this checkpoint's own data objects as stored (compressed, if they are);
+        objects referenced from earlier checkpoints are not counted."""
+        return sum(size for key, size in self.objects.items() if not is_reference(key))
+
+    @property
+    def referenced_bytes(self) -> int:
+        """The state's bytes that this checkpoint references in earlier ones instead of storing."""
+        return sum(
+            chunk.locator.length
+            for entry in self.entries.values()
+            if isinstance(entry, TensorEntry)
+            for chunk in entry.chunks
+            if is_reference(chunk.locator.key)
+        )
 
 
 @contextlib.contextmanager
@@ -192,12 +209,23 @@ def gc_paused() -> Iterator[None]:
 
 
 def is_valid_key(key: Any) -> bool:
-    """Relative object keys only: the reader joins them to the prefix, so no escaping it."""
-    return (
-        isinstance(key, str)
-        and "\x00" not in key
-        and all(part not in ("", ".", "..") for part in key.split("/"))
-    )
+    """Relative object keys only: the reader joins them to the prefix, so no escaping it, except
+    to a sibling checkpoint's data object (`layout.reference`), one level up and no further."""
+    if not isinstance(key, str) or "\x00" in key:
+        return False
+    if is_reference(key):
+        if referenced_save(key) is None:
+            return False
+        key = key[3:]
+    return all(part not in ("", ".", "..") for part in key.split("/"))
+
+
+def is_digest(value: Any) -> bool:
+    """An xxh3-128 digest as records write it: 32 lowercase hex digits."""
+    return isinstance(value, str) and len(value) == 32 and all(c in _HEX for c in value)
+
+
+_HEX = frozenset("0123456789abcdef")
 
 
 def check_locator(locator: Locator, objects: Mapping[str, int], where: str, name: str = "") -> None:

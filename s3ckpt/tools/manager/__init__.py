@@ -67,7 +67,12 @@ class CheckpointManager:
 
     Retention (``keep_last`` most recent, every ``keep_every``-th step, ``keep(step)`` true; see
     `Retention`) runs on the coordinator after each commit. It never deletes the newest committed
-    checkpoint, nor one being written or read (a live lease, see `restore.ReadLease`).
+    checkpoint, nor one being written or read (a live lease, see `restore.ReadLease`), nor an
+    object that a kept checkpoint references.
+
+    ``incremental=True``: each save references the tensors unchanged since the previous committed
+    step instead of uploading them (`S3Writer`'s ``incremental``), so a frozen base is stored once
+    for the whole run; retention's deletes keep what later steps reference.
 
     ``continuous=True`` also saves whenever no save is in flight, so the newest checkpoint is never
     older than one upload; retention then counts only the steps of ``every`` for ``keep_last``.
@@ -105,6 +110,7 @@ class CheckpointManager:
         raise_on_failure: bool = True,
         sync: bool = False,
         options: WriteOptions | None = None,
+        incremental: bool = False,
     ) -> None:
         if every < 1:
             raise ConfigError(f"every must be >= 1, got {every}")
@@ -120,7 +126,9 @@ class CheckpointManager:
         options = options or WriteOptions()
         if compression is not None:
             options = dataclasses.replace(options, compression=compression)
-        self._writer = S3Writer(location.bucket, config=self.config, options=options)
+        self._writer = S3Writer(
+            location.bucket, config=self.config, options=options, incremental=incremental
+        )
         group, agreement, self._groups = groups(process_group)
         self._run = Run(location, self.config, group, agreement)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="s3ckpt-manager")

@@ -21,7 +21,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
-import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,11 +31,11 @@ from torch.distributed.checkpoint.planner import LoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import load
 
 from ...config import S3Config
-from ...dcp.commit import Lease
+from ...dcp.commit import ReadLease
+from ...dcp.incremental import Pins
 from ...dcp.prefix import read_prefix
 from ...dcp.reader import S3Reader
 from ...engine import bridge
-from ...engine.contract import ObjectStore
 from ...errors import (
     CheckpointError,
     CheckpointNotFound,
@@ -48,7 +47,6 @@ from ...errors import (
     S3CkptError,
     StorageError,
 )
-from ...format import layout
 from ...format.layout import Location
 from ...format.record import Checkpoint
 from ..verify import verify as verify_checkpoint
@@ -97,31 +95,20 @@ def s3ckpt_error(error: BaseException) -> S3CkptError | None:
     return next((f for f in _failures(error) if isinstance(f, S3CkptError)), None)
 
 
-class ReadLease(Lease):
-    """A reader's lease on the committed save it loads, ``data-<save_id>/<token>/.lease``: a key
-    that removals read as that save's lease (`layout.save_of`, `layout.is_lease`), so they spare
-    its objects while it is live. Each reader has its own token, so none releases another's."""
-
-    def __init__(self, store: ObjectStore, location: Location, save_id: str) -> None:
-        super().__init__(store, location, save_id)
-        token = secrets.token_hex(8)
-        self.key = location.key(f"data-{save_id}/{token}/{layout.LEASE_NAME}")
-
-
 @contextlib.contextmanager
-def held(lease: Lease) -> Iterator[bool]:
-    """Hold ``lease`` (refreshed on the bridge loop) around synchronous code; yields whether it
-    could be written: a reader without write access loads unprotected, with a warning."""
+def held(pins: Pins) -> Iterator[bool]:
+    """Hold ``pins`` (refreshed on the bridge loop) around synchronous code; yields whether
+    they could be written: a reader without write access loads unprotected, with a warning."""
     ready: concurrent.futures.Future[None] = concurrent.futures.Future()
     stop: concurrent.futures.Future[None] = concurrent.futures.Future()
 
     async def hold() -> None:
         try:
-            async with lease.held():
-                ready.set_result(None)
-                await asyncio.wrap_future(stop)
+            await pins.hold()
+            ready.set_result(None)
+            await asyncio.wrap_future(stop)
         finally:
-            await lease.release()
+            await pins.release()
 
     running = bridge.submit(hold())
     concurrent.futures.wait([ready, running], return_when=concurrent.futures.FIRST_COMPLETED)
@@ -130,8 +117,8 @@ def held(lease: Lease) -> Iterator[bool]:
         log.warning(
             "s3://%s/%s: no read lease (%s): a removal elsewhere may delete the checkpoint "
             "while it loads (the load then fails with a typed error)",
-            lease.bucket,
-            lease.key,
+            pins.leases[0].bucket,
+            pins.leases[0].key,
             error,
         )
     try:
@@ -233,8 +220,9 @@ def _attempt(
         _ = checkpoint.metadata  # building DCP's types is where a hostile record fails
     except S3CkptError as e:
         error = e
-    lease = ReadLease(store, location, checkpoint.save_id) if checkpoint else None
-    with held(lease) if lease and agreement.coordinator else contextlib.nullcontext(False):
+    # Every save directory the record uses: an incremental checkpoint's bytes are in several.
+    pins = Pins(store, location, checkpoint) if checkpoint else None
+    with held(pins) if pins and agreement.coordinator else contextlib.nullcontext(False):
         if error is None and verify and agreement.coordinator:
             try:
                 verify_checkpoint(location.url, run.config)

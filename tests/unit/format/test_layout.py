@@ -52,3 +52,35 @@ def test_another_rank_or_save_reads_back_differently() -> None:
     assert rank_of(data_key("a", 0, 0)) == 0
     assert rank_of(data_key("a", 123_456, 999, spread=2)) == 123_456
     assert save_of(data_key("a", 1, 0)) != save_of(data_key("b", 1, 0))
+
+
+def test_a_reference_names_a_siblings_object_from_any_sibling() -> None:
+    from s3ckpt.format.layout import Location, is_reference, reference, referenced_save
+
+    own = data_key("abc", 0, 1)
+    ref = reference("step-1", own)
+    assert ref == f"../step-1/{own}" and is_reference(ref) and not is_reference(own)
+    assert reference("step-2", ref) == ref  # never a chain
+    assert referenced_save(ref) == ("step-1", "abc")
+    assert Location("b", "run/step-3").key(ref) == f"run/step-1/{own}"
+    assert Location("b", "step-3").key(ref) == f"step-1/{own}"
+    assert Location("b", "run/step-3").parent == Location("b", "run")
+    assert Location("b", "run/step-3").name == "step-3"
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "../x",
+        "../data/0.bin",
+        "../../run/step-1/data-a/0",
+        "../step-1/.metadata",
+        "../../x/data-a/0",
+    ],
+)
+def test_a_reference_goes_to_a_siblings_data_and_no_further(key: str) -> None:
+    from s3ckpt.format.layout import referenced_save
+    from s3ckpt.format.record.model import is_valid_key
+
+    assert referenced_save(key) is None
+    assert not is_valid_key(key)

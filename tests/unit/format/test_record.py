@@ -45,7 +45,7 @@ from torch.futures import Future
 
 from s3ckpt.errors import MetadataError
 from s3ckpt.format.frames import FrameTable
-from s3ckpt.format.record import FORMAT, FORMAT_VERSION, Checkpoint, Locator, decode
+from s3ckpt.format.record import FORMAT, FORMAT_VERSION, Checkpoint, Locator, TensorEntry, decode
 from s3ckpt.format.record import encode as encode_record
 
 URL = "s3://bucket/run/step-10/.metadata"
@@ -280,7 +280,7 @@ def test_encoded_record_is_plain_json_with_locators_inline(
 
     record = json.loads(data.decode("utf-8"), parse_constant=no_constants)
     assert record["format"] == FORMAT
-    assert record["version"] == FORMAT_VERSION
+    assert record["version"] == 1  # no references: readable by s3ckpt before version 2
     assert set(record) == {
         "format",
         "version",
@@ -441,7 +441,7 @@ def test_decode_rejects_wrong_fields(
         (lambda d: b'{"format": "s3ckpt", "format": "s3ckpt"}', "twice"),
         (lambda d: b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
         (lambda d: d.replace(b'"created":1700000000.25', b'"created":1e400'), "created"),
-        (lambda d: _mutated(d, lambda r: r.update(version=2)), "newer s3ckpt"),
+        (lambda d: _mutated(d, lambda r: r.update(version=FORMAT_VERSION + 1)), "newer s3ckpt"),
         (lambda d: _mutated(d, lambda r: r.pop("state_dict")), "missing field 'state_dict'"),
         (lambda d: _mutated(d, lambda r: r.update(format="x")), "not an s3ckpt commit record"),
     ],
@@ -457,7 +457,7 @@ def test_decode_rejects_wrong_fields(
         "duplicate-key",
         "deep-nesting",
         "created-overflows",
-        "version-2",
+        "version-newer",
         "missing-field",
         "wrong-format",
     ],
@@ -745,3 +745,66 @@ def test_dcp_save_and_load_through_the_json_record() -> None:
     assert torch.equal(target["layers"][1]["b"], original["layers"][1]["b"])
     assert target["step"] == 12
     assert target["names"] == ["a", "b"]
+
+
+def _referencing(data: bytes, *, version: int) -> bytes:
+    """The record with its first object moved to a sibling checkpoint's save."""
+
+    def change(record: dict[str, Any]) -> None:
+        old = sorted(record["objects"])[0]
+        new = f"../step-1/data-abc/{old.rpartition('/')[2]}"
+        record["objects"][new] = record["objects"].pop(old)
+        record["frames"][new] = record["frames"].pop(old)
+        for entry in record["state_dict"].values():
+            for located in entry.get("chunks", [entry]):
+                if located["locator"]["key"] == old:
+                    located["locator"]["key"] = new
+        record["version"] = version
+
+    return _mutated(data, change)
+
+
+def test_references_and_digests_round_trip_in_version_2(
+    saved: tuple[Metadata, dict[MetadataIndex, Locator], dict[str, int], bytes],
+) -> None:
+    metadata, locators, objects, _ = saved
+    digests = {index: f"{n:032x}" for n, index in enumerate(locators) if index.offset is not None}
+    moved = {k: f"../step-1/data-abc/{k.rpartition('/')[2]}" for k in objects}
+    data = encode(
+        metadata,
+        {i: Locator(moved[loc.key], loc.offset, loc.length) for i, loc in locators.items()},
+        save_id="save-2",
+        created=1700000000.5,
+        objects={moved[k]: size for k, size in objects.items()},
+        digests=digests,
+    )
+    assert json.loads(data)["version"] == 2
+    ckpt = decode(data, url=URL)
+    chunks = {
+        (fqn, tuple(c.offsets)): c.digest
+        for fqn, entry in ckpt.entries.items()
+        if isinstance(entry, TensorEntry)
+        for c in entry.chunks
+    }
+    assert {(i.fqn, tuple(i.offset or ())): d for i, d in digests.items()} == chunks
+    assert ckpt.stored_bytes == 0 and ckpt.referenced_bytes == sum(
+        c.locator.length
+        for e in ckpt.entries.values()
+        if isinstance(e, TensorEntry)
+        for c in e.chunks
+    )
+    assert ckpt.metadata.state_dict_metadata == metadata.state_dict_metadata
+
+
+def test_a_version_1_record_cannot_reference_and_digests_must_be_hex(
+    saved: tuple[Metadata, dict[MetadataIndex, Locator], dict[str, int], bytes],
+) -> None:
+    assert decode(_referencing(saved[3], version=2), url=URL).referenced_bytes > 0
+    with pytest.raises(MetadataError, match="version 1 cannot"):
+        decode(_referencing(saved[3], version=1), url=URL)
+
+    def bad_digest(record: dict[str, Any]) -> None:
+        _tensor(record)["chunks"][0]["xxh3"] = "not-hex"
+
+    with pytest.raises(MetadataError, match="32 hex digits"):
+        decode(_mutated(saved[3], bad_digest), url=URL)
