@@ -74,11 +74,15 @@ class Lease:
         self.bucket = location.bucket
         self.key = location.key(layout.lease_key(save_id))
         owner = {"save_id": save_id, "host": socket.gethostname(), "pid": os.getpid()}
-        self.body = json.dumps(owner | {"ttl": layout.LEASE_TTL}).encode()
+        self._body = json.dumps(owner | {"ttl": layout.LEASE_TTL}).encode()
+
+    async def write(self) -> None:
+        """Write (or refresh) the lease once: live for `layout.LEASE_TTL` from now."""
+        await self.store.put(self.bucket, self.key, self._body)
 
     @contextlib.asynccontextmanager
     async def held(self) -> AsyncIterator[None]:
-        await self.store.put(self.bucket, self.key, self.body)
+        await self.write()
         refresher = asyncio.ensure_future(self._refresh())
         try:
             yield
@@ -90,7 +94,7 @@ class Lease:
         while True:
             await asyncio.sleep(layout.LEASE_TTL / 4)
             try:
-                await self.store.put(self.bucket, self.key, self.body)
+                await self.write()
             except S3CkptError as e:
                 log.warning("s3://%s/%s: lease not refreshed: %s", self.bucket, self.key, e)
 

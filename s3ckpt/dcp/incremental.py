@@ -59,10 +59,8 @@ class Pins:
 
     def __init__(self, store: ObjectStore, location: Location, checkpoint: Checkpoint) -> None:
         parent, dirs = location.parent, {(location, checkpoint.save_id)}
-        for key in checkpoint.objects:
-            found = layout.referenced_save(key)
-            if found is not None:
-                dirs.add((Location(parent.bucket, parent.key(found[0])), found[1]))
+        for sibling, save_id in checkpoint.referenced_saves:
+            dirs.add((Location(parent.bucket, parent.key(sibling)), save_id))
         order = sorted(dirs, key=lambda d: (d[0].prefix, d[1]))
         self.leases = [ReadLease(store, where, save_id) for where, save_id in order]
         self._stack = contextlib.AsyncExitStack()
@@ -84,7 +82,7 @@ class Pins:
         await self._stack.aclose()
         for lease in self.leases:
             try:
-                await lease.store.put(lease.bucket, lease.key, lease.body)
+                await lease.write()
             except S3CkptError as e:
                 log.warning("s3://%s/%s: pin not refreshed: %s", lease.bucket, lease.key, e)
 

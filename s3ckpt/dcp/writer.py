@@ -172,13 +172,11 @@ class S3Writer(AtLocation, StorageWriter):
         self._reset_in = threading.current_thread()
         self._move(checkpoint_id)
         self._save_id = None
-        self._release_base()
 
     def storage_meta(self) -> StorageMeta:
         if self._reset_in is not threading.current_thread():
             self._staging.save_started()
         self._reset_in = None
-        self._release_base()  # of a save that failed before its commit
         return StorageMeta(checkpoint_id=self.checkpoint_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, **kwargs: Any) -> None:
@@ -197,8 +195,8 @@ class S3Writer(AtLocation, StorageWriter):
         spread = layout.spread_digits(objects) if options.spread_keys else 0
         self._release_base()
         if self.incremental:
-            # A save that fails before `finish` leaves its pins until the next save or
-            # `close` (or the process's end: then they expire like any lease).
+            # A save that fails before `finish` leaves its pins until the next save's plan
+            # (the release above) or `close` (or the process's end: then they expire).
             self._base = bridge.run(find_base(self._store, self.location))
         base, compression = self._base, options.compression
         return [
@@ -408,11 +406,6 @@ class S3Writer(AtLocation, StorageWriter):
         keys: list[str] = []
         try:
             async for relative, packed in uploads:
-                failed = next(
-                    (t for t in started if t.done() and not t.cancelled() and t.exception()), None
-                )
-                if failed is not None:
-                    await failed
                 keys.append(self.location.key(relative))
                 started.append(asyncio.ensure_future(one(relative, packed)))
             await gather_or_cancel(started)

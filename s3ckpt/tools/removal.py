@@ -10,10 +10,9 @@ lease is live (`s3ckpt.dcp.commit`), whatever ``older_than`` says, nor a checkpo
 Incremental saves reference their siblings' objects, so no removal deletes an object that a
 committed record of the run lists (`s3ckpt.dcp.references`): such objects are *kept*, in a
 directory without a ``.metadata`` once their own checkpoint is gone, until the last record
-referencing them is removed. Removals check this when they plan, and again after deleting the
-records they remove, as the last step before deleting data: a save that pinned its base
-(`s3ckpt.dcp.incremental`) before that check is seen by its lease, and one that did not sees the
-base's record gone and references nothing of it.
+referencing them is removed. Removals check this (`s3ckpt.dcp.references.protected`: the run's
+records, then the leases, which include incremental saves' pins) when they plan, and again after
+deleting the records they remove, as the last step before deleting data.
 
 Removals plan, then call ``confirm`` (in the caller's thread) with what they would remove, and
 only then delete. The I/O runs on the `bridge` loop through the shared `ObjectStore`.

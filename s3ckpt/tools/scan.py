@@ -212,9 +212,7 @@ def found(at: AtPrefix) -> Found:
         logical_bytes=checkpoint.logical_bytes,
         stored_bytes=checkpoint.stored_bytes,
         referenced_bytes=checkpoint.referenced_bytes,
-        references=tuple(
-            sorted({found[0] for found in map(layout.referenced_save, checkpoint.objects) if found})
-        ),
+        references=tuple(sorted({sibling for sibling, _ in checkpoint.referenced_saves})),
     )
     return Found(info, location, at.etag, at.record_size, checkpoint)
 

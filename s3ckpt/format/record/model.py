@@ -184,6 +184,11 @@ class Checkpoint:
         return sum(size for key, size in self.objects.items() if not is_reference(key))
 
     @property
+    def referenced_saves(self) -> set[tuple[str, str]]:
+        """``(sibling, save_id)`` of every earlier save whose objects this checkpoint uses."""
+        return {found for key in self.objects if (found := referenced_save(key)) is not None}
+
+    @property
     def referenced_bytes(self) -> int:
         """The state's bytes that this checkpoint references in earlier ones instead of storing."""
         return sum(
