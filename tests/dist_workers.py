@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import datetime
-from typing import Any
+import functools
+import os
+import sys
+from collections.abc import Callable
+from typing import Any, ParamSpec
 
 import torch
 import torch.distributed as dist
@@ -13,6 +17,30 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from s3ckpt import S3Config, S3Reader, S3Writer
+
+P = ParamSpec("P")
+
+
+def leaves_at_once(worker: Callable[P, None]) -> Callable[P, None]:
+    """Ends a gloo worker that passed with ``os._exit(0)``, skipping interpreter finalization.
+
+    A gloo run-loop thread can drop its last reference to a finished collective (and so to a
+    tensor whose Python object it then frees) just after the main thread returns; if the
+    interpreter is finalizing by then, the thread's GIL acquire aborts the process ("terminate
+    called without an active exception", SIGABRT; about one exit in 35 here, seen with gdb in
+    ``AsyncAllgatherCoalescedWork``'s destructor). That is torch's teardown, not the checks the
+    worker ran, so a worker that raised still exits through spawn's error path as before.
+    Not for PROCESS-mode workers: torch stops their checkpoint daemon during finalization.
+    """
+
+    @functools.wraps(worker)
+    def run(*args: P.args, **kwargs: P.kwargs) -> None:
+        worker(*args, **kwargs)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+    return run
 
 
 def reference_state() -> dict[str, torch.Tensor]:
@@ -50,6 +78,7 @@ def _sharded(full: dict[str, torch.Tensor], world: int, layout: str) -> dict[str
     }
 
 
+@leaves_at_once
 def save_sharded(rank: int, world: int, port: int, config: S3Config, url: str) -> None:
     _init(rank, world, port)
     try:
@@ -59,6 +88,7 @@ def save_sharded(rank: int, world: int, port: int, config: S3Config, url: str) -
         dist.destroy_process_group()
 
 
+@leaves_at_once
 def load_sharded(rank: int, world: int, port: int, config: S3Config, url: str) -> None:
     _init(rank, world, port)
     try:
@@ -136,6 +166,7 @@ def save_racing(config: S3Config, url: str, fill: float, barrier: Any, results: 
         results.put((fill, type(cause).__name__))
 
 
+@leaves_at_once
 def save_incremental(
     rank: int, world: int, port: int, config: S3Config, url: str, layout: str, bump: float
 ) -> None:

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from s3ckpt import CheckpointManager, S3Config
-from tests.dist_workers import _init
+from tests.dist_workers import _init, leaves_at_once
 
 
 def model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -58,6 +58,7 @@ def assert_model_is(model: nn.Module, expected: nn.Module) -> None:
         torch.testing.assert_close(got, want, msg=name)
 
 
+@leaves_at_once
 def resume_on_ranks(rank: int, world: int, port: int, config: S3Config, url: str) -> None:
     """Resume a 1-rank run at step 3 on ``world`` ranks (the table sharded by rows), train steps
     4 and 5, save 4 on schedule and 5 because rank 1 alone receives SIGUSR1 before it."""
