@@ -146,6 +146,28 @@ def process_mode_sharded(rank: int, world: int, port: int, config: S3Config, url
         dist.destroy_process_group()
 
 
+def process_mode_incremental(rank: int, port: int, config: S3Config, run: str) -> None:
+    """Two incremental PROCESS-mode saves (the daemon pins the base), ``rows`` changed in the
+    second; the second loads back whole."""
+    _init(rank, 1, port)
+    try:
+        state = reference_state()
+        for step in (1, 2):
+            state["rows"] = state["rows"] + 1
+            future = dcp.async_save(
+                dict(state),
+                storage_writer=S3Writer(f"{run}/step-{step}", config=config, incremental=True),
+                async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+            )
+            future.result(timeout=180)
+        loaded = {k: torch.zeros_like(v) for k, v in state.items()}
+        dcp.load(loaded, storage_reader=S3Reader(f"{run}/step-2", config=config))
+        for name, tensor in state.items():
+            assert torch.equal(loaded[name], tensor), name
+    finally:
+        dist.destroy_process_group()
+
+
 def save_big(config: S3Config, url: str, overwrite: bool) -> None:
     """A save slow enough to be killed in the middle of its upload."""
     generator = torch.Generator().manual_seed(99)

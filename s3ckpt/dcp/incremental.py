@@ -34,7 +34,7 @@ from ..engine.contract import ObjectStore
 from ..errors import MetadataError, S3CkptError
 from ..format import layout
 from ..format.frames import FrameTable
-from ..format.layout import Location
+from ..format.layout import Location, referenced_save
 from ..format.record import Checkpoint, Chunk, Locator, TensorEntry, decode
 from ..format.record.torchmeta import DTYPE_NAMES
 from .commit import ReadLease
@@ -89,11 +89,13 @@ class Pins:
 
 @dataclass
 class Base:
-    """The committed checkpoint a save references, pinned while the save runs."""
+    """The committed checkpoint a save references, pinned while the save runs; ``oldest``, if
+    set, is the lowest step whose objects the save may reference (see `find_base`)."""
 
     location: Location
     checkpoint: Checkpoint
     pins: Pins
+    oldest: int | None = None
 
     @property
     def frames(self) -> dict[str, FrameTable]:
@@ -116,13 +118,21 @@ class Base:
             if found is None or found[0] != DTYPE_NAMES.get(data.properties.dtype):
                 continue
             chunk = found[1]
-            if chunk.sizes == list(data.chunk.sizes) and chunk.digest:
+            if chunk.sizes == list(data.chunk.sizes) and chunk.digest and self._near(chunk):
                 key = layout.reference(name, chunk.locator.key)
                 out[item.index] = (
                     chunk.digest,
                     Locator(key, chunk.locator.offset, chunk.locator.length),
                 )
         return out
+
+    def _near(self, chunk: Chunk) -> bool:
+        """Whether the checkpoint holding the chunk's bytes is recent enough to reference."""
+        if self.oldest is None:
+            return True
+        holder = referenced_save(chunk.locator.key)
+        step = step_of(self.location.name if holder is None else holder[0])
+        return step is not None and step >= self.oldest
 
     @cached_property
     def _chunks(self) -> dict[tuple[str, tuple[int, ...]], tuple[str, Chunk]]:
@@ -136,18 +146,29 @@ class Base:
         }
 
 
-async def find_base(store: ObjectStore, location: Location) -> Base | None:
-    """The run's previous committed checkpoint, pinned; None if there is none to reference."""
+async def find_base(
+    store: ObjectStore, location: Location, full_every: int | None = None
+) -> Base | None:
+    """The run's previous committed checkpoint, pinned; None if there is none to reference.
+
+    With ``full_every``, steps fall in windows of that many (``step // full_every``): a save
+    references only checkpoints of its own window, so the window's first save is full and one
+    lost or damaged object can spoil at most one window's checkpoints."""
     # A checkpoint named data-... would hide among its parent's save directories (`siblings`).
     step = None if location.name.startswith("data-") else step_of(location.prefix)
     if not location.prefix or step is None:
         log.info("%s: no step in the name, so no previous checkpoint: saved in full", location.url)
         return None
+    oldest = None if full_every is None else step - step % full_every
     older = [
         (found, sibling)
         for sibling in await siblings(store, location)
-        if (found := step_of(sibling.prefix)) is not None and found < step
+        if (found := step_of(sibling.prefix)) is not None
+        and found < step
+        and (oldest is None or found >= oldest)
     ]
+    if oldest is not None and not older:
+        log.info("%s: the first save since step %d: saved in full", location.url, oldest)
     for _, sibling in sorted(older, key=lambda s: s[0], reverse=True)[:_TRIES]:
         try:
             record = await read_record(store, sibling)
@@ -165,7 +186,7 @@ async def find_base(store: ObjectStore, location: Location) -> Base | None:
             await pins.release()
             raise
         if head is not None and head.etag == record[1]:
-            return Base(sibling, checkpoint, pins)
+            return Base(sibling, checkpoint, pins, oldest)
         # Removed or replaced before the pins landed: its objects may be going.
         await pins.release()
         log.info("%s changed while a save pinned it; trying an older base", sibling.url)

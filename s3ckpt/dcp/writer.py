@@ -56,7 +56,7 @@ from torch.futures import Future
 from ..config import S3Config, WriteOptions
 from ..engine import bridge
 from ..engine.bridge import gather_or_cancel
-from ..errors import CheckpointExists, IncompleteCheckpoint, S3CkptError
+from ..errors import CheckpointExists, ConfigError, IncompleteCheckpoint, S3CkptError
 from ..format import layout
 from ..format.digests import digest
 from ..format.frames import FrameTable
@@ -98,6 +98,9 @@ class S3Writer(AtLocation, StorageWriter):
         incremental: reference the tensor chunks that are unchanged since the run's previous
             committed checkpoint (the sibling prefix with the highest step below this one's)
             instead of uploading them again; any `S3Reader` loads the result.
+        full_every: with ``incremental``, reference only checkpoints of the same window of
+            this many steps, so the first save of each window is full: one lost or damaged
+            object then spoils at most one window's checkpoints, not the whole run's.
     """
 
     _synchronize_after_execute = False
@@ -112,13 +115,16 @@ class S3Writer(AtLocation, StorageWriter):
         overwrite: bool = False,
         async_staging: bool = False,
         incremental: bool = False,
+        full_every: int | None = None,
     ) -> None:
+        if full_every is not None and (not incremental or full_every < 1):
+            raise ConfigError(f"full_every needs incremental=True and >= 1, got {full_every}")
         StorageWriter.__init__(self)
         AtLocation.__init__(self, bucket, prefix, config)
         self.options = options or WriteOptions()
         self.overwrite = overwrite
         self.async_staging = async_staging
-        self.incremental = incremental
+        self.incremental, self.full_every = incremental, full_every
         self.is_coordinator = False
         self._save_id: str | None = None
         self._base: Base | None = None  # the coordinator's, while an incremental save runs
@@ -197,7 +203,7 @@ class S3Writer(AtLocation, StorageWriter):
         if self.incremental:
             # A save that fails before `finish` leaves its pins until the next save's plan
             # (the release above) or `close` (or the process's end: then they expire).
-            self._base = bridge.run(find_base(self._store, self.location))
+            self._base = bridge.run(find_base(self._store, self.location, self.full_every))
         base, compression = self._base, options.compression
         return [
             dataclasses.replace(

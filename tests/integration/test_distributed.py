@@ -64,6 +64,20 @@ def test_async_save_process_mode_on_two_ranks(s3: Any, bucket: str) -> None:
     assert ranks == {"00000", "00001"}
 
 
+def test_incremental_async_save_in_process_mode(s3: Any, bucket: str) -> None:
+    from s3ckpt.tools.catalog import describe
+
+    config, run = s3.config(), f"s3://{bucket}/run"
+    mp.spawn(dist_workers.process_mode_incremental, args=(free_port(), config, run), nprocs=1)
+    second, _ = describe(f"{run}/step-2", config)
+    full = dist_workers.reference_state()
+    moved = full["rows"].numel() * full["rows"].element_size()
+    unchanged = sum(t.numel() * t.element_size() for n, t in full.items() if n != "rows")
+    assert second.references == ("step-1",)
+    assert second.referenced_bytes == unchanged
+    assert moved <= second.stored_bytes < moved + unchanged
+
+
 def test_incremental_saves_on_two_ranks_reference_each_ranks_unchanged_shards(
     s3: Any, bucket: str
 ) -> None:

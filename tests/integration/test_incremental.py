@@ -10,7 +10,15 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from s3ckpt import CheckpointManager, ChecksumMismatch, S3Reader, S3Writer, WriteOptions
+from s3ckpt import (
+    CheckpointManager,
+    ChecksumMismatch,
+    ConfigError,
+    S3Config,
+    S3Reader,
+    S3Writer,
+    WriteOptions,
+)
 from s3ckpt.config import MiB
 from s3ckpt.dcp.incremental import Pins
 from s3ckpt.engine import bridge
@@ -148,6 +156,37 @@ def test_references_point_at_the_object_that_holds_the_bytes(s3: Any, bucket: st
     assert same(load(s3, bucket, last, trained(state, 3)), trained(state, 3))
 
 
+def test_full_every_keeps_references_within_a_window_of_steps(s3: Any, bucket: str) -> None:
+    state = model()
+    references = {}
+    for step in range(1, 6):
+        prefix = save(s3, bucket, trained(state, step), step, full_every=2)
+        references[step] = describe(f"s3://{bucket}/{prefix}", s3.config())[0].references
+    # Windows {1}, {2, 3}, {4, 5}: the first save of each is full.
+    assert references == {1: (), 2: (), 3: ("step-000002",), 4: (), 5: ("step-000004",)}
+    assert same(load(s3, bucket, "run/step-000005", trained(state, 5)), trained(state, 5))
+
+
+def test_full_every_skips_base_chunks_held_before_the_window(s3: Any, bucket: str) -> None:
+    state = model()
+    save(s3, bucket, state, 1)
+    second = trained(state, 2)
+    save(s3, bucket, second, 2)  # references step 1's frozen tensors
+    third = save(s3, bucket, second | {"step": 3}, 3, full_every=2)
+    info, _ = describe(f"s3://{bucket}/{third}", s3.config())
+    lora = sum(second[k].numel() * second[k].element_size() for k in ("lora.a", "lora.b"))
+    assert info.references == ("step-000002",) and info.referenced_bytes == lora
+    assert same(load(s3, bucket, third, second | {"step": 3}), second | {"step": 3})
+
+
+def test_full_every_needs_incremental_and_a_positive_count() -> None:
+    for options in ({"full_every": 10}, {"incremental": True, "full_every": 0}):
+        with pytest.raises(ConfigError, match="full_every"):
+            S3Writer("bucket", "run/step-1", config=S3Config(region="us-east-1"), **options)
+    with pytest.raises(ConfigError, match="full_every"):
+        CheckpointManager("s3://bucket/run", config=S3Config(region="us-east-1"), full_every=5)
+
+
 def test_removing_the_base_keeps_what_later_checkpoints_reference(
     s3: Any, bucket: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -229,6 +268,18 @@ def test_the_manager_saves_incrementally_and_restores(s3: Any, bucket: str) -> N
         assert mgr.restore(restored) == 5
     assert same(restored, trained(state, 5))
     assert describe(f"{url}/step-000000005", s3.config())[0].references == ("step-000000001",)
+
+
+def test_the_managers_full_every_saves_in_full_once_per_window(s3: Any, bucket: str) -> None:
+    state, url = model(), f"s3://{bucket}/run"
+    config = s3.config(**PARTS)
+    with CheckpointManager(url, config=config, incremental=True, full_every=3) as mgr:
+        for step in range(1, 6):
+            mgr.save(step, trained(state, step), force=True)
+        mgr.wait()
+    references = [describe(f"{url}/step-{s:09d}", config)[0].references for s in range(1, 6)]
+    one, two = ("step-000000001",), ("step-000000003",)
+    assert references == [(), one, (), two, two]
 
 
 def test_export_and_info_of_an_incremental_checkpoint(s3: Any, bucket: str, cli: Any) -> None:

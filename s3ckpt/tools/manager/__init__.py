@@ -72,7 +72,8 @@ class CheckpointManager:
 
     ``incremental=True``: each save references the tensors unchanged since the previous committed
     step instead of uploading them (`S3Writer`'s ``incremental``), so a frozen base is stored once
-    for the whole run; retention's deletes keep what later steps reference.
+    for the whole run; retention's deletes keep what later steps reference. ``full_every``
+    bounds how far back references reach (`S3Writer`'s): one full save per that many steps.
 
     ``continuous=True`` also saves whenever no save is in flight, so the newest checkpoint is never
     older than one upload; retention then counts only the steps of ``every`` for ``keep_last``.
@@ -111,6 +112,7 @@ class CheckpointManager:
         sync: bool = False,
         options: WriteOptions | None = None,
         incremental: bool = False,
+        full_every: int | None = None,
     ) -> None:
         if every < 1:
             raise ConfigError(f"every must be >= 1, got {every}")
@@ -127,7 +129,11 @@ class CheckpointManager:
         if compression is not None:
             options = dataclasses.replace(options, compression=compression)
         self._writer = S3Writer(
-            location.bucket, config=self.config, options=options, incremental=incremental
+            location.bucket,
+            config=self.config,
+            options=options,
+            incremental=incremental,
+            full_every=full_every,
         )
         group, agreement, self._groups = groups(process_group)
         self._run = Run(location, self.config, group, agreement)
