@@ -102,9 +102,10 @@ def delete(
     multipart uploads. If ``confirm`` declines, nothing is deleted (an empty Removal returns)."""
     location, store = scan.location_of(url), get_store(config)
     target = bridge.run(_plan_delete(store, location))
-    bridge.run(_spare(store, [target]))
-    if confirm is not None and not confirm(_preview(location.bucket, [target])):
-        return Removal(location.bucket)
+    if confirm is not None:
+        bridge.run(_spare(store, [target]))  # for the preview: `_remove` spares for real
+        if not confirm(_preview(location.bucket, [target])):
+            return Removal(location.bucket)
     return bridge.run(_remove(store, location, [target], progress, guarded=False))[0]
 
 
@@ -127,7 +128,6 @@ def prune(
         raise ConfigError(f"keep must be >= 1 (the latest checkpoint is never pruned), got {keep}")
     location, store = scan.location_of(url), get_store(config)
     plan = bridge.run(_plan_prune(store, location, keep))
-    bridge.run(_spare(store, [target for _, target in plan]))
     if not plan or (confirm is not None and not confirm([info for info, _ in plan])):
         return []
     targets = [target for _, target in plan]
@@ -388,8 +388,9 @@ async def _remove(
     advance(0)
     records = [t.location.metadata_key for t in targets if t.record_size is not None]
     await _delete(store, plan.bucket, records, advance, f"cannot remove {location.url}")
-    await _spare(store, targets, writers=writers)  # again, now that the records are gone
+    await _spare(store, targets, writers=writers)  # now that the records are gone
     plan = _preview(location.bucket, targets)
+    total = len(plan.deleted) + len(plan.aborted)
     doing = f"deleting unreferenced data objects under {location.url} failed"
     if records:
         doing = (

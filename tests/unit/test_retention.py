@@ -65,8 +65,8 @@ def test_names_are_zero_padded_to_nine_digits_and_read_back() -> None:
 
 
 def test_a_read_lease_key_is_what_removals_read_as_a_live_save() -> None:
+    from s3ckpt.dcp.commit import ReadLease
     from s3ckpt.engine.store import get_store
-    from s3ckpt.tools.manager.restore import ReadLease
 
     location = layout.Location("bucket", "run/step-000000001")
     save_id = layout.new_save_id()

@@ -67,8 +67,8 @@ class CheckpointManager:
 
     Retention (``keep_last`` most recent, every ``keep_every``-th step, ``keep(step)`` true; see
     `Retention`) runs on the coordinator after each commit. It never deletes the newest committed
-    checkpoint, nor one being written or read (a live lease, see `restore.ReadLease`), nor an
-    object that a kept checkpoint references.
+    checkpoint, nor one being written or read (a live lease, see `s3ckpt.dcp.commit.ReadLease`),
+    nor an object that a kept checkpoint references.
 
     ``incremental=True``: each save references the tensors unchanged since the previous committed
     step instead of uploading them (`S3Writer`'s ``incremental``), so a frozen base is stored once

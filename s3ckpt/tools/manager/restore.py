@@ -31,7 +31,6 @@ from torch.distributed.checkpoint.planner import LoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import load
 
 from ...config import S3Config
-from ...dcp.commit import ReadLease
 from ...dcp.incremental import Pins
 from ...dcp.prefix import read_prefix
 from ...dcp.reader import S3Reader
@@ -52,7 +51,7 @@ from ...format.record import Checkpoint
 from ..verify import verify as verify_checkpoint
 from .run import Run, children, committed
 
-__all__ = ["ReadLease", "Restored", "damage", "restore", "s3ckpt_error"]
+__all__ = ["Restored", "damage", "restore", "s3ckpt_error"]
 
 log = logging.getLogger(__name__)
 
