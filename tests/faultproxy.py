@@ -61,12 +61,14 @@ __all__ = [
     "Delay",
     "Fault",
     "FaultProxy",
+    "LateApply",
     "ResetAfter",
     "ResetBefore",
     "ResetMidBody",
     "Rule",
     "Status",
     "Trickle",
+    "TrickleHead",
     "Truncate",
     "classify",
     "make_tls_files",
@@ -153,7 +155,39 @@ class Trickle:
             raise ValueError(f"rate must be > 0 bytes/s, got {self.rate}")
 
 
-Action = Status | ResetBefore | ResetAfter | ResetMidBody | Truncate | Delay | Corrupt | Trickle
+@dataclass(frozen=True)
+class LateApply:
+    """Answer ``status`` at once, then forward the request ``seconds`` later (its answer
+    dropped): a balancer that says 503 after it handed the request on, applied late."""
+
+    status: Status
+    seconds: float
+
+
+@dataclass(frozen=True)
+class TrickleHead:
+    """Forward, then relay the response head (status line and headers) at ``rate`` bytes/s,
+    its body as it comes: a server that starts answering and never finishes its head."""
+
+    rate: float
+
+    def __post_init__(self) -> None:
+        if self.rate <= 0:
+            raise ValueError(f"rate must be > 0 bytes/s, got {self.rate}")
+
+
+Action = (
+    Status
+    | ResetBefore
+    | ResetAfter
+    | ResetMidBody
+    | Truncate
+    | Delay
+    | Corrupt
+    | Trickle
+    | LateApply
+    | TrickleHead
+)
 
 
 @dataclass
@@ -425,6 +459,25 @@ def _error_response(status: Status, method: str, target: str, keep_alive: bool) 
     return head.encode() + (b"" if method == "HEAD" else body)
 
 
+class _Collect:
+    """A stand-in for a StreamWriter that keeps what is written (a request held back)."""
+
+    def __init__(self) -> None:
+        self._pieces: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self._pieces.append(data)
+
+    async def drain(self) -> None:
+        return None
+
+    def is_closing(self) -> bool:
+        return False
+
+    def data(self) -> bytes:
+        return b"".join(self._pieces)
+
+
 class _Upstream:
     """The upstream connection of one client connection: never shared, reopened when closed."""
 
@@ -557,6 +610,7 @@ class FaultProxy:
         self._thread: threading.Thread | None = None
         self._server: asyncio.Server | None = None
         self._connections: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
+        self._late: set[asyncio.Task[None]] = set()
 
     # -- lifecycle --
 
@@ -712,11 +766,27 @@ class FaultProxy:
     async def _shutdown(self) -> None:
         if self._server is not None:
             self._server.close()
+        for late in list(self._late):
+            late.cancel()
         for task, writer in list(self._connections.items()):
             writer.transport.abort()  # no goodbyes; also for a task that never got to run
             task.cancel()
         await asyncio.gather(*self._connections, return_exceptions=True)
         await asyncio.sleep(0)  # let the aborted transports finish closing
+
+    async def _apply_late(self, request: bytes, seconds: float) -> None:
+        """Send a held request upstream on a connection of its own; its answer is dropped."""
+        await asyncio.sleep(seconds)
+        up_reader, up_writer = await asyncio.open_connection(*self._upstream, limit=_HEAD_LIMIT)
+        try:
+            up_writer.write(request)
+            await up_writer.drain()
+            response = _Head.parse(await up_reader.readuntil(b"\r\n\r\n"))
+            await _relay_body(up_reader, None, _framing(response, response=True))
+        except _EXPECTED_ERRORS:
+            pass
+        finally:
+            up_writer.close()
 
     def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Track each connection from its first moment, so `stop` can end it even before its
@@ -768,6 +838,17 @@ class FaultProxy:
             writer.write(_error_response(action, method, target, keep_alive))
             await writer.drain()
             return keep_alive
+        if isinstance(action, LateApply):
+            held = _Collect()
+            await _relay_body(reader, held, body)
+            writer.write(_error_response(action.status, method, target, keep_alive))
+            await writer.drain()
+            late = asyncio.ensure_future(
+                self._apply_late(request.encode() + held.data(), action.seconds)
+            )
+            self._late.add(late)
+            late.add_done_callback(self._late.discard)
+            return keep_alive
 
         up_reader, up_writer = await upstream.connect()
         up_writer.write(request.encode())
@@ -786,7 +867,10 @@ class FaultProxy:
         resp_version, status = response.start.split(" ", 2)[:2]
         bodiless = method == "HEAD" or status in ("204", "304")
         answer = _Framing("length", 0) if bodiless else _framing(response, response=True)
-        writer.write(response.encode())
+        if isinstance(action, TrickleHead):
+            await _Splice(rate=action.rate).send(writer, response.encode())
+        else:
+            writer.write(response.encode())
 
         if isinstance(action, ResetMidBody | Truncate):
             await _relay_body(up_reader, writer, answer, _Splice(cut=True, fraction=action.keep))

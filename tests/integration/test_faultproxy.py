@@ -39,10 +39,12 @@ from tests.faultproxy import (
     Delay,
     Fault,
     FaultProxy,
+    LateApply,
     ResetAfter,
     ResetBefore,
     ResetMidBody,
     Status,
+    TrickleHead,
     Truncate,
     classify,
 )
@@ -142,6 +144,37 @@ def test_status_answers_an_s3_error_without_forwarding(s3: S3Env, bucket: str) -
         with pytest.raises(ClientError) as info:
             client.head_object(Bucket=bucket, Key="k")
         assert info.value.response["ResponseMetadata"]["HTTPStatusCode"] == 500
+
+
+def test_late_apply_answers_an_error_and_applies_the_request_later(
+    s3: S3Env, bucket: str
+) -> None:
+    """The client sees a 503; the request reaches the server a second later all the same."""
+    with FaultProxy(s3.endpoint_url) as proxy:
+        client = client_for(s3, proxy.endpoint_url)
+        proxy.add_rule(LateApply(Status(503, "SlowDown"), 1.0), op="PutObject", times=1)
+        body = os.urandom(2 * MiB)
+        with pytest.raises(ClientError) as info:
+            client.put_object(Bucket=bucket, Key="k", Body=body)
+        assert info.value.response["ResponseMetadata"]["HTTPStatusCode"] == 503
+        assert not exists(s3.client, bucket, "k")
+        deadline = time.monotonic() + 10.0
+        while not exists(s3.client, bucket, "k"):
+            assert time.monotonic() < deadline, "the held request was never applied"
+            time.sleep(0.05)
+        assert s3.client.get_object(Bucket=bucket, Key="k")["Body"].read() == body
+
+
+def test_trickle_head_sends_the_response_head_slowly(s3: S3Env, bucket: str) -> None:
+    """The status line arrives at once; the rest of the head takes seconds, so every read gets
+    bytes well within the read timeout."""
+    s3.client.put_object(Bucket=bucket, Key="k", Body=b"x")
+    with FaultProxy(s3.endpoint_url) as proxy:
+        client = client_for(s3, proxy.endpoint_url, read_timeout=1.0)
+        proxy.add_rule(TrickleHead(100), op="HeadObject", times=1)
+        began = time.monotonic()
+        assert client.head_object(Bucket=bucket, Key="k")["ContentLength"] == 1
+        assert time.monotonic() - began > 1.5  # a head of a few hundred bytes at 100 B/s
 
 
 def test_reset_before_drops_the_connection_unforwarded(s3: S3Env, bucket: str) -> None:
