@@ -29,7 +29,7 @@ from s3ckpt.config import MiB, S3Config
 from s3ckpt.format import layout
 from s3ckpt.tools.catalog import gc
 from s3ckpt.tools.localserver import SeaweedFS
-from tests.faultproxy import Delay, FaultProxy, ResetAfter, Status, Trickle
+from tests.faultproxy import Delay, FaultProxy, LateApply, ResetAfter, Status, Trickle
 
 from .bench_faults import _backdoor, _differing, _uploads, leftovers, make_state
 from .common import Endpoint
@@ -95,10 +95,15 @@ def _aftermath(
 
 
 def _row(name: str, fault: str, save: Outcome | None, **rest: Any) -> dict:
-    load = rest.pop("load", None)
+    """One scenario's row; ``expect`` names the error a correct save raises (then it counts as
+    the right outcome, not a failure)."""
+    load, expect = rest.pop("load", None), rest.pop("expect", None)
+    if save is not None and expect is not None:
+        save = (not save[0] and f"{expect}:" in (save[2] or ""), save[1], save[2])
     return {
         "scenario": name,
         "fault": fault,
+        "expected_error": expect,
         "save_ok": None if save is None else save[0],
         "save_s": None if save is None else save[1],
         "save_error": None if save is None else save[2],
@@ -251,6 +256,43 @@ def run_scenarios(
             )
         )
 
+        print("scenario: a 503 that the store applies later", flush=True)
+        p = prefix("late-503")
+        _save(direct, bucket, p, one)
+        late = LateApply(Status(503, "SlowDown"), 5.0)
+        rule = proxy.add_rule(late, op="PutObject", key=f"{p}/.metadata")
+        save = _timed(lambda: _save(config, bucket, p, two))
+        proxy.clear_rules()
+        rows.append(
+            _row(
+                "503 applied later",
+                f"a balancer answered 503 to every commit PUT ({rule.fired}x) and the store "
+                "applied each 5 s later: no data deleted, the record read back",
+                save,
+                **_aftermath(client, direct, bucket, p, two if save[0] else one),
+            )
+        )
+
+        print("scenario: objects deleted while the commit is in flight", flush=True)
+        p = prefix("lapsed-lease")
+        url = f"s3://{bucket}/{p}"
+        _save(direct, bucket, p, one)
+        held = proxy.add_rule(Delay(2.0), op="PutObject", key=f"{p}/.metadata")
+        with _in_thread(lambda: _save(config, bucket, p, two)) as out:
+            _wait_for(lambda: held.fired > 0)
+            report = gc(url, older_than=timedelta(0), config=direct, break_leases=True)
+        proxy.clear_rules()
+        rows.append(
+            _row(
+                "lease lapsed mid-commit",
+                f"gc --break-leases deleted the save's {len(report.deleted)} objects while its "
+                "commit PUT was held back: the save fails, the old record is put back",
+                out[0],
+                expect="IncompleteCheckpoint",
+                **_aftermath(client, direct, bucket, p, one),
+            )
+        )
+
         for phase in ("save", "load"):
             print(f"scenario: brownout during the {phase}", flush=True)
             p = prefix(f"brownout-{phase}")
@@ -356,16 +398,16 @@ def run_scenarios(
 
 
 def scenario_table(rows: list[dict[str, Any]]) -> tuple[list[str], list[list[Any]]]:
-    def outcome(ok: bool | None, seconds: float | None) -> str:
+    def outcome(ok: bool | None, seconds: float | None, expected: str | None = None) -> str:
         if ok is None:
             return "-"
-        return f"{'ok' if ok else 'FAILED'} {seconds:.1f} s"
+        return f"{(expected or 'ok') if ok else 'FAILED'} {seconds:.1f} s"
 
     headers = ["scenario", "save", "load", "last save exact", "uploads", "unref", "fault"]
     body = [
         [
             row["scenario"],
-            outcome(row["save_ok"], row["save_s"]),
+            outcome(row["save_ok"], row["save_s"], row.get("expected_error")),
             outcome(row["load_ok"], row["load_s"]),
             "yes" if row["last_save_loads_exact"] else "NO",
             row["uploads_in_progress"],

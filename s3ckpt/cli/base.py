@@ -236,7 +236,16 @@ def removed_text(removal: Removal) -> str:
     uploads = f" ({human_size(removal.upload_bytes)})" if removal.aborted else ""
     text = f"{len(removal.deleted)} objects ({freed}), {len(removal.aborted)} uploads{uploads}"
     if removal.kept:
-        text += f"; {len(removal.kept)} objects kept: later checkpoints of the run reference them"
+        text += (
+            f"; {len(removal.kept)} objects kept: later checkpoints of the run reference them, "
+            "or a reader or a running save holds them (for a later pass, or gc)"
+        )
+    if removal.left_alone:
+        example = f"s3://{removal.bucket}/{removal.left_alone[0]}"
+        text += (
+            f"; {len(removal.left_alone)} objects left alone: in data-* directories but not "
+            f"written by s3ckpt (e.g. {example})"
+        )
     return text
 
 

@@ -1,21 +1,27 @@
 """The commit protocol: a running save's lease, and the one PUT of ``.metadata`` that commits it.
 
 One rule governs every delete s3ckpt issues: data is deleted only when it is certain that no
-committed record references it. A commit PUT whose answers were all lost (a reset or a timeout
-after the request was sent) may have been applied, so a failed commit is resolved by reading the
-record back: the save's own record means it committed; another save's record in place of a
-conditional PUT means it lost; a server that refused every attempt outright (a 4xx, 501 or 503
-answer) means nothing landed. In every other case nothing is deleted and the save raises
-`CommitOutcomeUnknown`; its objects are left for ``s3ckpt gc``, which keeps whatever a record
-that did land references.
+committed record references it. Once the commit PUT has been sent, that is never certain from the
+save's side: a balancer in front of the store may answer 503 to a PUT it forwarded, which the
+store applies seconds later, and an answer may be lost after the PUT was applied. So a failed
+commit never deletes data, whatever the error: its objects are left for ``s3ckpt gc``, which
+judges them by the records that did land, and its lease is left to expire rather than deleted, so
+that even ``gc --older-than 0`` spares them for `layout.LEASE_TTL`. The outcome is resolved by
+reading the record back: the save's own record means it committed; another save's record in place
+of a conditional PUT, or a refusal (4xx, 501), means it failed; anything else raises
+`CommitOutcomeUnknown`.
 
 While a save runs, each rank holds its lease (`layout.lease_key`) from the start of its upload,
 and the coordinator from the start of the commit: a small object rewritten every quarter of
 `layout.LEASE_TTL`, which gc, prune and rm respect. Before the PUT the coordinator checks that
 every object it is about to reference, uploaded or in an earlier checkpoint, is stored with the
-size it expects (one HEAD each): a commit does not reference an object that a removal has
-already deleted. That a removal does not delete one afterwards is the pins' business
-(`s3ckpt.dcp.incremental`).
+size it expects (a listing of each save directory: a request per 1000 objects, the directories
+concurrently): a commit does not reference an object that a removal has already deleted. After the
+PUT it lists them again: a removal that took the save for dead while the commit was in flight (its
+lease refreshes stalled past the TTL) may have deleted some, and a committed record must mean
+loadable data, so then the record is withdrawn and the save fails. That a removal does not delete
+a referenced object afterwards is the records' and the pins' business (`s3ckpt.dcp.references`,
+`s3ckpt.dcp.incremental`).
 """
 
 from __future__ import annotations
@@ -52,8 +58,9 @@ __all__ = ["Lease", "ReadLease", "commit", "delete_quietly", "may_have_applied"]
 
 log = logging.getLogger(__name__)
 
-# Answers that say the server did not act: a refusal (4xx), "not implemented", "slow down".
-_NOT_APPLIED_STATUS = {501, 503}
+# Answers that say the server did not act: a refusal (4xx), "not implemented". Not 503: a
+# balancer answers it for requests it may have forwarded.
+_NOT_APPLIED_STATUS = {501}
 # Failures before a request was sent. Not EndpointConnectionError: aiobotocore raises it for a
 # connection reset after the request went out, too.
 _NOT_SENT_CODES = {"ConnectTimeoutError", "SSLError"}
@@ -106,11 +113,16 @@ class ReadLease(Lease):
     """A lease on a committed save by someone who needs its objects to stay: a reader loading
     it, or an incremental save referencing it. ``data-<save_id>/<token>/.lease`` is a key that
     removals read as that save's lease (`layout.save_of`, `layout.is_lease`), so they spare its
-    objects while it is live. Each holder has its own token, so none releases another's."""
+    objects while it is live. Each holder has its own token, so none releases another's: a
+    reader's is random, an incremental save's is its own save id (``owner``), so that removals
+    which see that save's record committed know the pin is no longer needed
+    (`layout.pin_owner`)."""
 
-    def __init__(self, store: ObjectStore, location: Location, save_id: str) -> None:
+    def __init__(
+        self, store: ObjectStore, location: Location, save_id: str, owner: str | None = None
+    ) -> None:
         super().__init__(store, location, save_id)
-        token = secrets.token_hex(8)
+        token = owner or secrets.token_hex(8)
         self.key = location.key(f"data-{save_id}/{token}/{layout.LEASE_NAME}")
 
 
@@ -125,27 +137,32 @@ async def commit(
     references: Mapping[str, int] | None = None,
 ) -> None:
     """Commit ``record``, which references the uploaded ``objects`` (key -> stored size) and
-    ``references``, objects of earlier checkpoints (confirmed like the others, never deleted).
+    ``references``, objects of earlier checkpoints (confirmed like the others, never deleted),
+    holding the save's lease meanwhile.
 
     With ``overwrite`` the checkpoint it replaces loses its data objects once the commit is
     certain (but those other records of the run reference). Raises `CommitOutcomeUnknown` when
     it cannot be known whether the record landed.
     """
-    limit = store.config.max_record_size
-    if len(record) > limit:  # readers with this config would refuse it: never commit that
-        await delete_quietly(store, location.bucket, objects, f"{location.url}: a failed save")
-        raise MetadataError(
-            f"{location.metadata_url}: not committed: the record is {len(record)} bytes, over "
-            f"S3Config.max_record_size ({limit}); raise it for the writer and every reader",
-            url=location.metadata_url,
-        )
-    await _confirm(store, location, objects, references or {})
-    previous = await _previous_objects(store, location) if overwrite else set()
-    refused = await _put_record(store, location, record, save_id=save_id, overwrite=overwrite)
-    if refused is not None:
-        await delete_quietly(store, location.bucket, objects, f"{location.url}: a failed save")
-        raise refused
-    stale = previous - set(objects)
+    lease = Lease(store, location, save_id)
+    everything = {**objects, **(references or {})}
+    async with lease.held():
+        try:
+            await _check(store, location, record, everything)
+        except S3CkptError:  # before the PUT: no record can reference the save's objects
+            await delete_quietly(store, location.bucket, objects, f"{location.url}: a failed save")
+            await lease.release()
+            raise
+        previous, stale = await _previous(store, location) if overwrite else (None, set())
+        refused = await _put_record(store, location, record, save_id=save_id, overwrite=overwrite)
+        if refused is not None:
+            raise refused
+        wrong = await _changed(store, location.bucket, everything)
+        if wrong:
+            await _withdraw(store, location, record, previous)
+            raise _incomplete(location, wrong, len(everything), "withdrawn after the commit", _LEFT)
+    await lease.release()
+    stale -= set(objects)
     if stale:
         try:
             kept = await protected(store, [location])
@@ -155,36 +172,73 @@ async def commit(
             log.warning("%s: committed; old data objects not deleted: %s", location.url, e)
 
 
-async def _confirm(
-    store: ObjectStore,
-    location: Location,
-    objects: Mapping[str, int],
-    references: Mapping[str, int],
+_LEFT = "are left for `s3ckpt gc`"
+
+
+async def _check(
+    store: ObjectStore, location: Location, record: bytes, objects: Mapping[str, int]
 ) -> None:
-    """Every object is stored with its uploaded size, or the save's objects go and it raises."""
-    bucket = location.bucket
-    uploaded, objects = objects, {**objects, **references}
+    """Refuse a commit readers would refuse, or one over objects that are not all there."""
+    limit = store.config.max_record_size
+    if len(record) > limit:
+        raise MetadataError(
+            f"{location.metadata_url}: not committed: the record is {len(record)} bytes, over "
+            f"S3Config.max_record_size ({limit}); raise it for the writer and every reader",
+            url=location.metadata_url,
+        )
+    wrong = await _changed(store, location.bucket, objects)
+    if wrong:
+        raise _incomplete(location, wrong, len(objects), "not committed", "were deleted")
 
-    async def stored_size(key: str) -> int | None:
+
+async def _changed(
+    store: ObjectStore, bucket: str, objects: Mapping[str, int]
+) -> list[tuple[str, int, int | None]]:
+    """``(key, size, stored size or None)`` of each object not stored with its size: one
+    listing of each save directory the keys are in (`layout.save_dir`), all concurrently."""
+    by_dir: dict[str, list[str]] = {}
+    for key in objects:
+        by_dir.setdefault(layout.save_dir(key), []).append(key)
+
+    async def listed(directory: str) -> dict[str, int]:
         async with store.slot():
-            head = await store.head(bucket, key)
-        return None if head is None else head.size
+            listing = await store.list_objects(bucket, directory)
+        return {obj.key: obj.size for obj in listing.objects}
 
-    sizes = await gather_or_cancel(stored_size(key) for key in objects)
-    found = zip(objects.items(), sizes, strict=True)
-    wrong = [(key, size, got) for (key, size), got in found if got != size]
-    if not wrong:
-        return
-    await delete_quietly(store, bucket, uploaded, f"{location.url}: a save that cannot commit")
+    stored: dict[str, int] = {}
+    for sizes in await gather_or_cancel(listed(d) for d in sorted(by_dir)):
+        stored.update(sizes)
+    return [(k, size, stored.get(k)) for k, size in objects.items() if stored.get(k) != size]
+
+
+def _incomplete(
+    location: Location, wrong: list[tuple[str, int, int | None]], count: int, what: str, then: str
+) -> IncompleteCheckpoint:
     key, size, got = wrong[0]
     state = "is missing" if got is None else f"holds {got} bytes, not {size}"
-    raise IncompleteCheckpoint(
-        f"{location.url}: not committed: {len(wrong)} of {len(objects)} data objects (uploaded "
-        f"or referenced) changed (s3://{bucket}/{key} {state}: deleted by a removal while "
-        "the save ran?); "
-        "the save's objects were deleted",
+    return IncompleteCheckpoint(
+        f"{location.url}: {what}: {len(wrong)} of {count} data objects (uploaded or referenced) "
+        f"changed (s3://{location.bucket}/{key} {state}: deleted by a removal while the save "
+        f"ran? its lease may have lapsed); the save's objects {then}",
         url=location.url,
     )
+
+
+async def _withdraw(
+    store: ObjectStore, location: Location, record: bytes, previous: bytes | None
+) -> None:
+    """Take back the save's own record, just committed over missing objects (what loads from
+    it would fail): the record it replaced goes back, whose objects the removal kept (they were
+    referenced when it judged), else it is deleted. Another save's record in its place stays."""
+    try:
+        if await _read_back(store, location) != record:
+            return
+        if previous is None:
+            await store.delete(location.bucket, [location.metadata_key])
+        else:
+            await store.put(location.bucket, location.metadata_key, previous)
+    except S3CkptError as e:
+        log.warning("%s: a record over missing objects could not be withdrawn: %s", location, e)
 
 
 async def _put_record(
@@ -229,6 +283,7 @@ async def _put_record(
         "save committed; otherwise `s3ckpt gc` removes its objects (it keeps whatever a "
         "committed record references)."
     )
+    gone = "No data was deleted: `s3ckpt gc` removes the save's objects unless a record lands."
     try:
         landed = await _read_back(store, location)
     except S3CkptError as e:
@@ -244,11 +299,10 @@ async def _put_record(
     if isinstance(error, PreconditionFailed) and not overwrite:
         # A conditional PUT cannot land while another save's record is there.
         return CheckpointExists(
-            f"{location.url}: another save committed first; this save's data was deleted",
-            url=location.url,
+            f"{location.url}: another save committed first. {gone}", url=location.url
         )
     if not doubts:
-        return error
+        return error.reworded(f"{location.url}: not committed: {error.message}. {gone}")
     now = "no record" if landed is None else "another save's record"
     raise CommitOutcomeUnknown(
         f"{location.url}: the commit's outcome is unknown: {doubts[-1]}; the prefix holds "
@@ -270,17 +324,19 @@ async def _read_back(
     return None if found is None else found[0]
 
 
-async def _previous_objects(store: ObjectStore, location: Location) -> set[str]:
-    """Data keys of the committed checkpoint being replaced (to delete after the commit)."""
+async def _previous(store: ObjectStore, location: Location) -> tuple[bytes | None, set[str]]:
+    """The record being replaced, and its data keys (to delete after the commit): only those
+    it lists that are data objects by the writer's naming (`layout.data_key`), so a crafted
+    record cannot make an overwrite delete another checkpoint's record or a file."""
     try:
         raw = await _read_back(store, location)
         previous = None if raw is None else decode(raw, url=location.metadata_url)
     except S3CkptError as e:
         log.warning("%s: replacing a record whose objects cannot be listed: %s", location.url, e)
-        return set()
-    if previous is None:
-        return set()
-    return {location.key(key) for key in previous.objects if not layout.is_reference(key)}
+        return None, set()
+    if raw is None or previous is None:
+        return None, set()
+    return raw, {location.key(key) for key in previous.objects if layout.is_data_object(key)}
 
 
 async def delete_quietly(store: ObjectStore, bucket: str, keys: Iterable[str], what: str) -> None:

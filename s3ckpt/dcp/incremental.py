@@ -55,14 +55,21 @@ new checkpoint."""
 
 class Pins:
     """Read leases on every save directory that a committed record's objects are in (its own
-    and those it references), refreshed on the bridge loop while held."""
+    and those it references), refreshed on the bridge loop while held; ``owner``, the save
+    that pins them (`ReadLease`)."""
 
-    def __init__(self, store: ObjectStore, location: Location, checkpoint: Checkpoint) -> None:
+    def __init__(
+        self,
+        store: ObjectStore,
+        location: Location,
+        checkpoint: Checkpoint,
+        owner: str | None = None,
+    ) -> None:
         parent, dirs = location.parent, {(location, checkpoint.save_id)}
         for sibling, save_id in checkpoint.referenced_saves:
             dirs.add((Location(parent.bucket, parent.key(sibling)), save_id))
         order = sorted(dirs, key=lambda d: (d[0].prefix, d[1]))
-        self.leases = [ReadLease(store, where, save_id) for where, save_id in order]
+        self.leases = [ReadLease(store, where, save_id, owner) for where, save_id in order]
         self._stack = contextlib.AsyncExitStack()
 
     async def hold(self) -> None:
@@ -147,15 +154,16 @@ class Base:
 
 
 async def find_base(
-    store: ObjectStore, location: Location, full_every: int | None = None
+    store: ObjectStore, location: Location, save_id: str, full_every: int | None = None
 ) -> Base | None:
-    """The run's previous committed checkpoint, pinned; None if there is none to reference.
+    """The run's previous committed checkpoint, pinned by the save ``save_id``; None if there
+    is none to reference.
 
     With ``full_every``, steps fall in windows of that many (``step // full_every``): a save
     references only checkpoints of its own window, so the window's first save is full and one
     lost or damaged object can spoil at most one window's checkpoints."""
     # A checkpoint named data-... would hide among its parent's save directories (`siblings`).
-    step = None if location.name.startswith("data-") else step_of(location.prefix)
+    step = None if layout.is_save_dir(location.name) else step_of(location.prefix)
     if not location.prefix or step is None:
         log.info("%s: no step in the name, so no previous checkpoint: saved in full", location.url)
         return None
@@ -178,7 +186,7 @@ async def find_base(
             continue
         if record is None or checkpoint is None:
             continue
-        pins = Pins(store, sibling, checkpoint)
+        pins = Pins(store, sibling, checkpoint, owner=save_id)
         try:
             await pins.hold()
             head = await store.head(sibling.bucket, sibling.metadata_key)

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import NamedTuple
 
 from ..engine.bridge import gather_or_cancel
 from ..engine.contract import ObjectStore, StoredObject, Upload
@@ -22,7 +23,16 @@ from ..format import layout
 from ..format.layout import Location
 from ..format.record import Checkpoint, check_record_size, decode
 
-__all__ = ["AtPrefix", "State", "live_saves", "read_prefix", "read_record", "saves", "step_of"]
+__all__ = [
+    "AtPrefix",
+    "Saves",
+    "State",
+    "live_saves",
+    "read_prefix",
+    "read_record",
+    "saves",
+    "step_of",
+]
 
 # The last path component is a word and the step: "step-000100", "global_step1000", "ckpt_42",
 # "7"; not "best-epoch3" or "run-2024-06-01", which are names, not steps.
@@ -129,10 +139,12 @@ async def read_prefix(store: ObjectStore, location: Location, *, below: bool = T
         except MetadataError as e:
             return AtPrefix(location, State.UNREADABLE, error=e)
         return AtPrefix(location, State.COMMITTED, checkpoint, etag, len(raw))
-    data = tuple(obj for obj, _ in (await saves(store, location))[0])
+    data = tuple(obj for obj, _ in (await saves(store, location)).objects)
     if data:
         return AtPrefix(location, State.INCOMPLETE, data=data)
-    uploads = tuple(await store.list_uploads(location.bucket, location.key("data-")))
+    start = len(location.listing_prefix)
+    listed = await store.list_uploads(location.bucket, location.key("data-"))
+    uploads = tuple(u for u in listed if layout.save_of(u.key[start:]) is not None)
     if uploads:
         return AtPrefix(location, State.INCOMPLETE, uploads=uploads)
     if not below:
@@ -152,7 +164,7 @@ async def _committed_below(
     children = [
         Location(location.bucket, location.key(name))
         for name in names
-        if name and not name.startswith("data-")
+        if name and not layout.is_save_dir(name)
     ]
     children.sort(key=lambda c: (step_of(c.prefix) is not None, step_of(c.prefix) or 0))
     checked = children[::-1][:_MAX_BELOW]
@@ -161,26 +173,52 @@ async def _committed_below(
     return tuple(found), len(children)
 
 
-async def saves(
-    store: ObjectStore, location: Location
-) -> tuple[list[tuple[StoredObject, str]], datetime]:
-    """The objects of saves at ``location`` (data objects and leases, committed or not) with
-    their save ids, and the server's time."""
+class Saves(NamedTuple):
+    """What the ``data-`` keys at a prefix hold: the objects of saves (data objects and leases,
+    committed or not) with their save ids, the server's time, and the keys that s3ckpt's writer
+    does not name (`layout.save_of`), which no removal touches."""
+
+    objects: list[tuple[StoredObject, str]]
+    now: datetime
+    foreign: tuple[str, ...]
+
+
+async def saves(store: ObjectStore, location: Location) -> Saves:
+    """One listing of the ``data-`` keys at ``location`` (a page per 1000)."""
     listing = await store.list_objects(location.bucket, location.key("data-"))
     start = len(location.listing_prefix)
-    found = ((obj, layout.save_of(obj.key[start:])) for obj in listing.objects)
-    return [(obj, save) for obj, save in found if save is not None], listing.server_time
+    objects, foreign = [], []
+    for obj in listing.objects:
+        save = layout.save_of(obj.key[start:])
+        if save is None:
+            foreign.append(obj.key)
+        else:
+            objects.append((obj, save))
+    return Saves(objects, listing.server_time, tuple(foreign))
 
 
 def live_saves(
-    data: Iterable[tuple[StoredObject, str]], now: datetime, *, writers: bool = True
+    data: Iterable[tuple[StoredObject, str]],
+    now: datetime,
+    *,
+    writers: bool = True,
+    pins: bool = True,
+    committed: Collection[str] = (),
 ) -> set[str]:
-    """Ids of the saves whose lease was refreshed within ``LEASE_TTL`` before ``now``; without
-    ``writers``, only pins count (readers', and incremental saves' on what they reference:
-    `layout.is_pin`), not the writers' own leases (gc ``--break-leases`` breaks those)."""
+    """Ids of the saves whose lease was refreshed within ``LEASE_TTL`` before ``now``. Without
+    ``writers``, the writers' own leases do not count (gc ``--break-leases`` breaks those);
+    without ``pins``, pins do not (readers', and incremental saves' on what they reference:
+    `layout.is_pin`); nor does the pin of a save in ``committed``, whose record is known to be
+    committed and so protects what it references (`layout.pin_owner`)."""
     fresh = now - timedelta(seconds=layout.LEASE_TTL)
-    return {
-        save_id
-        for obj, save_id in data
-        if layout.is_lease(obj.key) and (writers or layout.is_pin(obj.key)) and obj.modified > fresh
-    }
+    live = set()
+    for obj, save_id in data:
+        if not layout.is_lease(obj.key) or obj.modified <= fresh:
+            continue
+        if layout.is_pin(obj.key):
+            counts = pins and layout.pin_owner(obj.key) not in committed
+        else:
+            counts = writers
+        if counts:
+            live.add(save_id)
+    return live

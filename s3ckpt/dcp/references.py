@@ -11,7 +11,10 @@ the references, then the leases of the saves they would delete from, listed with
 `layout.PIN_GRACE` of reading the records. Incremental saves pin what they reference until
 their commit and leave the pins to expire `layout.LEASE_TTL` after it, so a save that commits
 between the two steps is seen by its record or by its pins, and one that pins after the leases
-were listed finds the records it would have referenced already deleted.
+were listed finds the records it would have referenced already deleted. A pin names the save
+that holds it (`layout.pin_owner`): once that save's record is read committed, the record
+protects what it references and the pin no longer counts, so retention need not wait for it
+to expire.
 """
 
 from __future__ import annotations
@@ -31,24 +34,41 @@ from ..format.layout import Location
 from ..format.record import decode
 from .prefix import live_saves, read_record, saves
 
-__all__ = ["InUse", "Protected", "in_use", "protected", "run_of", "siblings"]
+__all__ = ["InUse", "Protected", "Record", "in_use", "protected", "records", "run_of", "siblings"]
 
 log = logging.getLogger(__name__)
 
-# (bucket, record key, ETag) -> the absolute keys of the objects it references in its siblings;
-# bounded, oldest out first.
-_SEEN: OrderedDict[tuple[str, str, str], frozenset[str]] = OrderedDict()
-_SEEN_MAX = 1024
 _CONCURRENCY = 16
 
 
 @dataclass(frozen=True)
+class Record:
+    """What removals need of one committed record: its ETag and size, its save's id and the
+    absolute keys of the objects it references in its siblings; or, when it cannot be read
+    (damaged, from a newer s3ckpt), why (``unreadable``): then what it references is unknown."""
+
+    location: Location
+    etag: str | None
+    size: int
+    save_id: str = ""
+    references: frozenset[str] = frozenset()
+    unreadable: str | None = None
+
+
+# (bucket, record key, ETag) -> what was read of the record; bounded, oldest out first.
+_SEEN: OrderedDict[tuple[str, str, str], Record] = OrderedDict()
+_SEEN_MAX = 1024
+
+
+@dataclass(frozen=True)
 class InUse:
-    """The objects a run's committed records reference in their siblings (absolute keys), and
-    the records whose references are unknown because they cannot be read."""
+    """The objects a run's committed records reference in their siblings (absolute keys), the
+    saves those records committed, and the records whose references are unknown because they
+    cannot be read."""
 
     keys: frozenset[str]
     unknown: tuple[str, ...] = ()
+    saves: frozenset[str] = frozenset()
 
     def keeps(self, key: str) -> bool:
         return bool(self.unknown) or key in self.keys
@@ -87,13 +107,16 @@ async def protected(
     """What must stay of the objects of ``checkpoints``: the references of their runs' records
     (but those in ``ignoring``: being deleted), then the live leases of their saves (without
     ``writers``, only pins: gc breaking writers' leases), listed within `layout.PIN_GRACE` of
-    reading the records. Slower than that three times, it keeps everything."""
+    reading the records. A pin held by a save whose record was read committed does not count:
+    that record protects what the save references. Slower than that three times, it keeps
+    everything."""
     semaphore = asyncio.Semaphore(_CONCURRENCY)
 
-    async def leased(checkpoint: Location) -> set[tuple[str, str]]:
+    async def leased(checkpoint: Location, committed: frozenset[str]) -> set[tuple[str, str]]:
         async with semaphore:
-            data, now = await saves(store, checkpoint)
-        return {(checkpoint.prefix, s) for s in live_saves(data, now, writers=writers)}
+            data, now, _ = await saves(store, checkpoint)
+        found = live_saves(data, now, writers=writers, committed=committed)
+        return {(checkpoint.prefix, s) for s in found}
 
     for _ in range(3):
         began = time.monotonic()
@@ -102,7 +125,8 @@ async def protected(
             run = run_of(checkpoint)
             if run not in used:
                 used[run] = await in_use(store, checkpoint, ignoring=ignoring)
-        live = set().union(*await gather_or_cancel(leased(c) for c in checkpoints))
+        listing = (leased(c, used[run_of(c)].saves) for c in checkpoints)
+        live = set().union(*await gather_or_cancel(listing))
         if time.monotonic() - began < layout.PIN_GRACE:
             return Protected(used, frozenset(live))
         log.info("reading the records and leases took over %.0f s: again", layout.PIN_GRACE)
@@ -124,7 +148,7 @@ async def siblings(store: ObjectStore, location: Location) -> list[Location]:
     return [
         Location(parent.bucket, parent.key(name))
         for name in sorted(names)
-        if name and not name.startswith("data-")
+        if name and not layout.is_save_dir(name)
     ]
 
 
@@ -133,31 +157,37 @@ async def in_use(
 ) -> InUse:
     """What the committed records of ``location``'s run reference, leaving out the records
     whose keys are in ``ignoring`` (those a removal is deleting)."""
-    found = await siblings(store, location)
+    found = [c for c in await siblings(store, location) if c.metadata_key not in ignoring]
+    keys: set[str] = set()
+    unknown, committed = [], set()
+    for record in await records(store, found):
+        if record is None:
+            continue
+        if record.unreadable is not None:
+            unknown.append(record.location.metadata_url)
+        else:
+            keys |= record.references
+            committed.add(record.save_id)
+    return InUse(frozenset(keys), tuple(unknown), frozenset(committed))
+
+
+async def records(store: ObjectStore, checkpoints: Collection[Location]) -> list[Record | None]:
+    """The committed record at each of ``checkpoints`` (None: there is none): a HEAD each, and
+    a GET and decode only of records not seen before in this process (the ETag names the
+    content). One that cannot be read is logged and returned with why."""
     semaphore = asyncio.Semaphore(_CONCURRENCY)
 
-    async def one(checkpoint: Location) -> frozenset[str] | None:
+    async def one(checkpoint: Location) -> Record | None:
         async with semaphore:
-            return await _listed(store, checkpoint)
+            return await _record(store, checkpoint)
 
-    records = [c for c in found if c.metadata_key not in ignoring]
-    listed = await gather_or_cancel(one(c) for c in records)
-    keys: set[str] = set()
-    unknown = []
-    for checkpoint, listing in zip(records, listed, strict=True):
-        if listing is None:
-            unknown.append(checkpoint.metadata_url)
-        else:
-            keys |= listing
-    return InUse(frozenset(keys), tuple(unknown))
+    return await gather_or_cancel(one(c) for c in checkpoints)
 
 
-async def _listed(store: ObjectStore, location: Location) -> frozenset[str] | None:
-    """The absolute keys ``location``'s record references in its siblings (empty: no record),
-    None if it cannot be read."""
+async def _record(store: ObjectStore, location: Location) -> Record | None:
     head = await store.head(location.bucket, location.metadata_key)
     if head is None:
-        return frozenset()
+        return None
     seen = (location.bucket, location.metadata_key, head.etag or "")
     if head.etag and seen in _SEEN:
         _SEEN.move_to_end(seen)
@@ -165,15 +195,16 @@ async def _listed(store: ObjectStore, location: Location) -> frozenset[str] | No
     try:
         found = await read_record(store, location)
         if found is None:
-            return frozenset()
+            return None
         raw, etag = found
         checkpoint = decode(raw, url=location.metadata_url)
     except MetadataError as e:
         log.warning("%s: what it references is unknown, its data is kept: %s", location.url, e)
-        return None
+        return Record(location, head.etag, head.size, unreadable=str(e))
     keys = frozenset(location.key(key) for key in checkpoint.objects if layout.is_reference(key))
+    record = Record(location, etag, len(raw), checkpoint.save_id, keys)
     if etag:
-        _SEEN[(location.bucket, location.metadata_key, etag)] = keys
+        _SEEN[(location.bucket, location.metadata_key, etag)] = record
         while len(_SEEN) > _SEEN_MAX:
             _SEEN.popitem(last=False)
-    return keys
+    return record

@@ -11,8 +11,10 @@ How DCP drives it (torch 2.13; see ``torch/distributed/checkpoint/storage.py``):
 4. coordinator, only when every rank succeeded: ``finish`` checks that every object is stored,
    then writes ``.metadata`` with one PUT — the commit (`s3ckpt.dcp.commit`). Without ``overwrite``
    the PUT is conditional (``If-None-Match: *``) so that of two concurrent saves at most one
-   commits; with it, the old checkpoint's objects are deleted after the commit. A commit that
-   certainly failed deletes the save's objects; one whose outcome is unknown deletes nothing.
+   commits; with it, the old checkpoint's objects are deleted after the commit. Once the PUT is
+   sent, a failed commit deletes nothing, whatever the answer (its record may still land): gc
+   removes its objects if none does. After the PUT the objects are listed again, so a save whose
+   objects a removal deleted meanwhile fails instead of committing a record that cannot load.
 
 Every rank holds the save's lease while it uploads, and the coordinator while it commits, so
 that gc, prune and rm leave a running save alone.
@@ -203,7 +205,8 @@ class S3Writer(AtLocation, StorageWriter):
         if self.incremental:
             # A save that fails before `finish` leaves its pins until the next save's plan
             # (the release above) or `close` (or the process's end: then they expire).
-            self._base = bridge.run(find_base(self._store, self.location, self.full_every))
+            found = find_base(self._store, self.location, self._save_id, self.full_every)
+            self._base = bridge.run(found)
         base, compression = self._base, options.compression
         return [
             dataclasses.replace(
@@ -311,7 +314,16 @@ class S3Writer(AtLocation, StorageWriter):
         key = self.location.key
         objects = {key(relative): table.size for relative, table in frames.items()}
         references = {key(relative): pinned[relative].size for relative in referenced}
-        bridge.run(self._commit(record, objects, references, self._save_id))
+        committing = commit(
+            self._store,
+            self.location,
+            record,
+            objects,
+            save_id=self._save_id,
+            overwrite=self.overwrite,
+            references=references,
+        )
+        bridge.run(committing)
 
     def _release_base(self) -> None:
         """Drop the pins of a save that did not commit."""
@@ -350,24 +362,6 @@ class S3Writer(AtLocation, StorageWriter):
                 "pass overwrite=True to replace it",
                 url=self.checkpoint_id,
             )
-
-    async def _commit(
-        self, record: bytes, objects: dict[str, int], references: dict[str, int], save_id: str
-    ) -> None:
-        lease = Lease(self._store, self.location, save_id)
-        try:
-            async with lease.held():
-                await commit(
-                    self._store,
-                    self.location,
-                    record,
-                    objects,
-                    save_id=save_id,
-                    overwrite=self.overwrite,
-                    references=references,
-                )
-        finally:
-            await lease.release()
 
     async def _upload(
         self,

@@ -29,14 +29,18 @@ __all__ = [
     "PIN_GRACE",
     "Location",
     "data_key",
+    "is_data_object",
     "is_lease",
     "is_pin",
     "is_reference",
+    "is_save_dir",
     "lease_key",
     "new_save_id",
+    "pin_owner",
     "rank_of",
     "reference",
     "referenced_save",
+    "save_dir",
     "save_of",
     "spread_digits",
 ]
@@ -132,24 +136,57 @@ def lease_key(save_id: str) -> str:
     return f"data-{save_id}/{LEASE_NAME}"
 
 
-# A save's object relative to its checkpoint: a `data_key` (with or without its hash directory),
-# its `lease_key`, or whatever else a save left in its directory.
-_SAVE_KEY = re.compile(r"data-(?P<save>[^/]+)/(?:[0-9a-f]+/)?(?P<name>[^/]+)")
-_DATA_NAME = re.compile(r"(?P<rank>\d+)-\d+(?:-[0-9a-f]+)?")
+# What s3ckpt's writer names, in every version so far: a save's directory ``data-<save_id>``
+# (`new_save_id`: 24 hex digits) holding its data objects ``[<hash>/]<rank>-<index>[-<nonce>]``
+# (`data_key`), its lease and its pins ``[<token>/].lease`` (`lease_key`, `commit.ReadLease`).
+# Removals delete nothing else: a bucket is shared with datasets and logs, and a ``data-2024/``
+# directory of someone else's is not a save.
+_SAVE_ID = r"[0-9a-f]{24}"
+_SAVE_DIR = re.compile(rf"data-(?P<save>{_SAVE_ID})")
+_SAVE_KEY = re.compile(
+    rf"data-(?P<save>{_SAVE_ID})/(?:"
+    r"(?:[0-9a-f]{2,4}/)?(?P<rank>\d{5,})-\d{3,}(?:-[0-9a-f]{6})?"
+    rf"|(?:[0-9a-f]{{16}}/|{_SAVE_ID}/)?{re.escape(LEASE_NAME)})"
+)
+
+_PIN = re.compile(
+    rf"(?:.*/)?data-{_SAVE_ID}/(?:[0-9a-f]{{16}}|(?P<owner>{_SAVE_ID}))/{re.escape(LEASE_NAME)}"
+)
+
+
+def is_save_dir(name: str) -> bool:
+    """Whether a child prefix's name is a save's directory (``data-<save_id>``)."""
+    return _SAVE_DIR.fullmatch(name) is not None
 
 
 def save_of(key: str) -> str | None:
-    """The save that wrote an object (key relative to the checkpoint prefix): its data objects
-    and its lease; None for any other key."""
+    """The save that wrote an object (key relative to the checkpoint prefix): its data objects,
+    its lease and its pins; None for any other key, also one inside a save's directory that
+    s3ckpt does not write."""
     match = _SAVE_KEY.fullmatch(key)
     return match["save"] if match else None
+
+
+def is_data_object(key: str) -> bool:
+    """Whether a key relative to the checkpoint prefix is a data object by `data_key`."""
+    match = _SAVE_KEY.fullmatch(key)
+    return match is not None and match["rank"] is not None
+
+
+def save_dir(key: str) -> str:
+    """The listing prefix (``.../data-<save_id>/``) of the save directory that an absolute data
+    key is in; for a key in none, the key itself (a listing of just that object)."""
+    parts = key.split("/")
+    for i in range(len(parts) - 2, -1, -1):
+        if is_save_dir(parts[i]):
+            return "/".join(parts[: i + 1]) + "/"
+    return key
 
 
 def rank_of(key: str) -> int | None:
     """The rank that wrote a data object, from its `data_key`; None for any other key."""
     match = _SAVE_KEY.fullmatch(key)
-    name = _DATA_NAME.fullmatch(match["name"]) if match else None
-    return int(name["rank"]) if name else None
+    return int(match["rank"]) if match and match["rank"] is not None else None
 
 
 _UP = "../"
@@ -171,9 +208,10 @@ def is_reference(key: str) -> bool:
 
 
 def referenced_save(key: str) -> tuple[str, str] | None:
-    """``(sibling, save_id)`` of the save whose object a valid reference names, else None."""
+    """``(sibling, save_id)`` of the save whose data object a valid reference names, else
+    None."""
     match = _REFERENCE.fullmatch(key)
-    if match is None or match["sibling"] in (".", ".."):
+    if match is None or match["sibling"] in (".", "..") or not is_data_object(match["data"]):
         return None
     save = save_of(match["data"])
     return None if save is None else (match["sibling"], save)
@@ -186,8 +224,14 @@ def is_lease(key: str) -> bool:
 def is_pin(key: str) -> bool:
     """A lease with a token of its own, ``data-<save_id>/<token>/.lease``: a reader's, or an
     incremental save's on a save it references (`s3ckpt.dcp.commit.ReadLease`)."""
-    parts = key.split("/")
-    return len(parts) >= 3 and parts[-1] == LEASE_NAME and parts[-3].startswith("data-")
+    return _PIN.fullmatch(key) is not None
+
+
+def pin_owner(key: str) -> str | None:
+    """The save that holds a pin (`is_pin`) whose token is a save id: an incremental save's
+    pin on what it references, which that save's committed record makes redundant."""
+    match = _PIN.fullmatch(key)
+    return match["owner"] if match else None
 
 
 def spread_digits(objects: int) -> int:

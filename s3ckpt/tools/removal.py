@@ -5,7 +5,9 @@ midway leaves only unreferenced objects, which `gc` finds later. `gc` judges eac
 (``data-<id>/``) as a whole, by its newest object or uploaded part, so a save that is still
 running somewhere is left alone even if it started long ago. No removal touches a save whose
 lease is live (`s3ckpt.dcp.commit`), whatever ``older_than`` says, nor a checkpoint whose
-``.metadata`` it cannot read: what that record references is unknown.
+``.metadata`` it cannot read: what that record references is unknown. Nor any key that s3ckpt's
+writer does not name (`layout.save_of`): a bucket is shared with datasets and logs, and what
+removals left alone for that reason they report (`Removal.left_alone`).
 
 Incremental saves reference their siblings' objects, so no removal deletes an object that a
 committed record of the run lists (`s3ckpt.dcp.references`): such objects are *kept*, in a
@@ -20,14 +22,15 @@ only then delete. The I/O runs on the `bridge` loop through the shared `ObjectSt
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from ..config import S3Config
 from ..dcp.prefix import saves
-from ..dcp.references import protected, run_of
+from ..dcp.references import Record, protected, run_of
 from ..engine import bridge
 from ..engine.contract import ObjectStore, StoredObject, Upload
 from ..engine.store import get_store
@@ -43,7 +46,7 @@ from ..format.layout import Location
 from . import scan
 from .scan import CheckpointInfo, Progress
 
-__all__ = ["GcReport", "Removal", "StepPolicy", "delete", "gc", "prune"]
+__all__ = ["GcReport", "Removal", "StepPolicy", "delete", "gc", "prune", "remove"]
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +65,11 @@ class Removal:
     aborted: tuple[Upload, ...] = ()
     bytes_freed: int = 0
     upload_bytes: int = 0
-    kept: tuple[str, ...] = ()  # objects spared: other checkpoints of the run reference them
+    # Objects spared: other checkpoints of the run reference them, or a pin holds them.
+    kept: tuple[str, ...] = ()
+    # Keys in the ``data-`` directories that s3ckpt's writer does not name (`layout.save_of`):
+    # a bucket is shared with other data, so they are never deleted.
+    left_alone: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -89,6 +96,7 @@ class _Target:
     young: list[str] = field(default_factory=list)  # gc: kept, their save is recent
     young_uploads: list[Upload] = field(default_factory=list)
     kept: list[str] = field(default_factory=list)  # referenced by other records of the run
+    left_alone: tuple[str, ...] = ()  # not s3ckpt's (`Removal.left_alone`)
 
 
 def delete(
@@ -107,6 +115,18 @@ def delete(
         if not confirm(_preview(location.bucket, [target])):
             return Removal(location.bucket)
     return bridge.run(_remove(store, location, [target], progress, guarded=False))[0]
+
+
+def remove(url: str, records: Sequence[Record], config: S3Config | None = None) -> list[Location]:
+    """Delete the committed checkpoints whose ``records`` (`references.records`) were judged,
+    under the run at ``url``, each only if its record is still the one judged (its ETag); returns
+    those deleted. What a pin holds of their objects stays (`references.protected`), for a
+    later pass or gc: a pin protects what a record references, not the record."""
+    location, store = scan.location_of(url), get_store(config)
+    judged = [(r.location, r.etag, r.size) for r in records]
+    targets = bridge.run(_plan_records(store, location, judged))
+    _, dropped = bridge.run(_remove(store, location, targets, None, guarded=True))
+    return [t.location for t in targets if t not in dropped]
 
 
 StepPolicy = Callable[[list[int]], Collection[int]]
@@ -158,12 +178,17 @@ def gc(
     bridge.run(_spare(store, targets, writers=not break_leases))
     young = [key for t in targets for key in t.young]
     young_uploads = [upload for t in targets for upload in t.young_uploads]
+    left_alone = tuple(key for t in targets for key in t.left_alone)
+    if left_alone:
+        log.info("%s: %s", location.url, _foreign_text(location.bucket, left_alone))
     targets = [t for t in targets if t.objects or t.uploads]
-    report = _report(_preview(location.bucket, targets), young, young_uploads)
+    preview = dataclasses.replace(_preview(location.bucket, targets), left_alone=left_alone)
+    report = _report(preview, young, young_uploads)
     if dry_run or (confirm is not None and not confirm(report)):
         return report
     removing = _remove(store, location, targets, progress, guarded=True, writers=not break_leases)
     removal, dropped = bridge.run(removing)
+    removal = dataclasses.replace(removal, left_alone=left_alone)
     young += [obj.key for t in dropped for obj in t.objects]
     return _report(removal, young, young_uploads + [u for t in dropped for u in t.uploads], False)
 
@@ -172,12 +197,7 @@ def _report(
     removal: Removal, young: list[str], young_uploads: list[Upload], dry_run: bool = True
 ) -> GcReport:
     return GcReport(
-        removal.bucket,
-        removal.deleted,
-        removal.aborted,
-        removal.bytes_freed,
-        removal.upload_bytes,
-        kept=removal.kept,
+        **{f.name: getattr(removal, f.name) for f in dataclasses.fields(Removal)},
         skipped=tuple(young),
         skipped_uploads=tuple(young_uploads),
         dry_run=dry_run,
@@ -189,19 +209,28 @@ def _report(
 
 async def _plan_delete(store: ObjectStore, location: Location) -> _Target:
     head = await store.head(location.bucket, location.metadata_key)
-    data, now = await saves(store, location)
+    data, now, foreign = await saves(store, location)
     pending = (await scan.uploads(store, location)).get(location.prefix, [])
     size = None if head is None else head.size
     objects, uploads = _not_running(location, data, pending, now)
     in_parts = await scan.upload_bytes(store, location.bucket, uploads)
-    target = _Target(location, None, size, objects, uploads, in_parts)
+    target = _Target(location, None, size, objects, uploads, in_parts, left_alone=foreign)
     if head is None and not target.objects and not target.uploads:
         running = " but a running save's (its lease is live)" if data or pending else ""
+        if foreign:
+            running += f"; {_foreign_text(location.bucket, foreign)}"
         raise CheckpointNotFound(
             f"no checkpoint at {location.url} (no .metadata, data objects or uploads{running})",
             url=location.url,
         )
     return target
+
+
+def _foreign_text(bucket: str, keys: tuple[str, ...]) -> str:
+    return (
+        f"{len(keys)} objects in data-* directories are not s3ckpt's and were left alone "
+        f"(e.g. s3://{bucket}/{keys[0]})"
+    )
 
 
 async def _plan_prune(
@@ -215,18 +244,27 @@ async def _plan_prune(
         kept = set(keep([f.info.step for f in newest_first if f.info.step is not None]))
         stepped = [f for f in newest_first[1:] if f.info.step is not None]
         victims = [f for f in stepped if f.info.step not in kept]
-    if not victims:
+    records = [(f.location, f.etag, f.record_size) for f in victims]
+    targets = await _plan_records(store, location, records)
+    return [(f.info, target) for f, target in zip(victims, targets, strict=True)]
+
+
+async def _plan_records(
+    store: ObjectStore, location: Location, records: list[tuple[Location, str | None, int]]
+) -> list[_Target]:
+    """Targets for committed checkpoints under ``location``, each given as ``(location, ETag,
+    size)`` of the record judged: their objects and uploads but a running save's."""
+    if not records:
         return []
     uploads = await scan.uploads(store, location)
-    data = await scan.run_all(lambda f: saves(store, f.location), victims, store)
-    plan = []
-    for f, (found, now) in zip(victims, data, strict=True):
-        pending = uploads.get(f.location.prefix, [])
-        objects, mine = _not_running(f.location, found, pending, now)
+    data = await scan.run_all(lambda r: saves(store, r[0]), records, store)
+    targets = []
+    for (at, etag, size), (found, now, foreign) in zip(records, data, strict=True):
+        pending = uploads.get(at.prefix, [])
+        objects, mine = _not_running(at, found, pending, now)
         in_parts = await scan.upload_bytes(store, location.bucket, mine)
-        target = _Target(f.location, f.etag, f.record_size, objects, mine, in_parts)
-        plan.append((f.info, target))
-    return plan
+        targets.append(_Target(at, etag, size, objects, mine, in_parts, left_alone=foreign))
+    return targets
 
 
 def _not_running(
@@ -235,8 +273,9 @@ def _not_running(
     uploads: list[tuple[Upload, str]],
     now: datetime,
 ) -> tuple[list[StoredObject], list[Upload]]:
-    """The objects and uploads of saves at ``location`` whose lease is not live."""
-    live = scan.live_saves(data, now)
+    """The objects and uploads of saves at ``location`` whose writer's lease is not live (what
+    pins spare is decided last, by `_spare`)."""
+    live = scan.live_saves(data, now, pins=False)
     if live:
         log.warning("%s: sparing %d running save(s): %s", location.url, len(live), sorted(live))
     return (
@@ -269,15 +308,16 @@ async def _gc_one(
         found = await scan.committed(store, location)
     except MetadataError as e:
         log.warning("%s: nothing collected, its record cannot be read: %s", location.url, e)
-        data, _ = await saves(store, location)
+        data, _, foreign = await saves(store, location)
         young = [obj.key for obj, _ in data]
-        return _Target(location, None, young=young, young_uploads=[u for u, _ in uploads])
+        uploaded = [u for u, _ in uploads]
+        return _Target(location, None, young=young, young_uploads=uploaded, left_alone=foreign)
     keep_id, referenced = None, set()
     if found is not None and found.checkpoint is not None:
         keep_id = found.checkpoint.save_id
         referenced = {location.key(key) for key in found.checkpoint.objects}
-    data, now = await saves(store, location)
-    live = scan.live_saves(data, now, writers=not break_leases)
+    data, now, foreign = await saves(store, location)
+    live = scan.live_saves(data, now, writers=not break_leases, pins=False)  # pins: `_spare`
     by_save: dict[str, tuple[list[StoredObject], list[Upload]]] = {}
     for obj, save_id in data:
         # The committed save's objects stay, but not its lease once that has expired.
@@ -286,7 +326,7 @@ async def _gc_one(
             by_save.setdefault(save_id, ([], []))[0].append(obj)
     for upload, save_id in uploads:
         by_save.setdefault(save_id, ([], []))[1].append(upload)
-    target = _Target(location, None if found is None else found.etag)
+    target = _Target(location, None if found is None else found.etag, left_alone=foreign)
     for save_id, (objects, save_uploads) in by_save.items():
         cutoff = now - older_than
         in_parts: int | None = None
@@ -331,6 +371,7 @@ def _preview(bucket: str, targets: list[_Target]) -> Removal:
         sum((t.record_size or 0) + sum(obj.size for obj in t.objects) for t in targets) + in_parts,
         in_parts,
         tuple(key for t in targets for key in t.kept),
+        tuple(key for t in targets for key in t.left_alone),
     )
 
 
@@ -389,6 +430,15 @@ async def _remove(
     records = [t.location.metadata_key for t in targets if t.record_size is not None]
     await _delete(store, plan.bucket, records, advance, f"cannot remove {location.url}")
     await _spare(store, targets, writers=writers)  # now that the records are gone
+    if guarded:
+        # Once more, just before the data goes: a save whose lease lapsed may have committed
+        # since planning (its objects are then its record's, which a target without a record
+        # to delete does not know).
+        collecting = [t for t in targets if t.record_size is None]
+        same = await scan.run_all(lambda t: _unchanged(store, t), collecting, store)
+        late = [t for t, ok in zip(collecting, same, strict=True) if not ok]
+        dropped += late
+        targets = [t for t in targets if t not in late]
     plan = _preview(location.bucket, targets)
     total = len(plan.deleted) + len(plan.aborted)
     doing = f"deleting unreferenced data objects under {location.url} failed"
@@ -403,9 +453,7 @@ async def _remove(
         lambda u: _abort(store, plan.bucket, u, advance, doing), plan.aborted, store
     )
     done_uploads = tuple(u for u, ok in zip(plan.aborted, aborted, strict=True) if ok)
-    removal = Removal(
-        plan.bucket, plan.deleted, done_uploads, plan.bytes_freed, plan.upload_bytes, plan.kept
-    )
+    removal = dataclasses.replace(plan, aborted=done_uploads)
     return removal, dropped
 
 

@@ -172,9 +172,9 @@ async def candidates(
     listing = await store.list_objects(location.bucket, location.listing_prefix, delimiter=True)
     names = [p[len(location.listing_prefix) :].rstrip("/") for p in listing.prefixes]
     own = any(o.key == location.metadata_key for o in listing.objects)
-    own = own or any(name.startswith("data-") for name in names)
+    own = own or any(layout.is_save_dir(name) for name in names)
     bucket = location.bucket
-    children = [Location(bucket, location.key(n)) for n in names if n and not n.startswith("data-")]
+    children = [Location(bucket, location.key(n)) for n in names if n and not layout.is_save_dir(n)]
     found = [location, *children] if own else children
     pending = await uploads(store, location) if with_uploads else {}
     known = {c.prefix for c in found}

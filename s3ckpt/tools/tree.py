@@ -53,7 +53,7 @@ def _owner(relative: str) -> tuple[str, str | None] | None:
     that wrote it (None: it is the checkpoint's ``.metadata``); None for any other key."""
     parts = relative.split("/")
     for i, part in enumerate(parts[:-1]):
-        if part.startswith("data-"):
+        if layout.is_save_dir(part):
             save = layout.save_of("/".join(parts[i:]))
             if save is not None:
                 return "/".join(parts[:i]), save

@@ -28,7 +28,8 @@ from tests.helpers import listing, uploads_in_progress
 # Saved in this order, so step order (1, 2, 10) differs from creation order and from text order.
 COMMITTED_STEPS = (10, 1, 2)
 INCOMPLETE = "run/step-11"
-LEFTOVER = "run/step-2/data-dead/00000-000"  # a failed save's object beside a committed one
+# A failed save's object beside a committed one.
+LEFTOVER = "run/step-2/data-deaddeaddeaddeaddeaddead/00000-000"
 
 
 def save(s3: S3Env, bucket: str, prefix: str, state: dict[str, Any]) -> None:
@@ -49,10 +50,16 @@ def build_run(s3: S3Env, bucket: str) -> dict[int, dict[str, torch.Tensor]]:
     for step in COMMITTED_STEPS:
         states[step] = {"w": torch.randn(8, 4), "b": torch.arange(step + 3)}
         save(s3, bucket, f"run/step-{step}", states[step])
-    s3.client.put_object(Bucket=bucket, Key=f"{INCOMPLETE}/data-xyz/00000-000", Body=b"x" * 100)
-    s3.client.create_multipart_upload(Bucket=bucket, Key=f"{INCOMPLETE}/data-xyz/00001-000")
+    s3.client.put_object(
+        Bucket=bucket, Key=f"{INCOMPLETE}/data-feedfeedfeedfeedfeedfeed/00000-000", Body=b"x" * 100
+    )
+    s3.client.create_multipart_upload(
+        Bucket=bucket, Key=f"{INCOMPLETE}/data-feedfeedfeedfeedfeedfeed/00001-000"
+    )
     s3.client.put_object(Bucket=bucket, Key=LEFTOVER, Body=b"y" * 50)
-    s3.client.create_multipart_upload(Bucket=bucket, Key="run/step-2/data-dead/00001-000")
+    s3.client.create_multipart_upload(
+        Bucket=bucket, Key="run/step-2/data-deaddeaddeaddeaddeaddead/00001-000"
+    )
     s3.client.put_object(Bucket=bucket, Key="run/logs/train.txt", Body=b"loss 0.1")
     return states
 
@@ -88,7 +95,11 @@ def test_list_shows_committed_and_incomplete_checkpoints(s3: S3Env, bucket: str,
         assert info.created.timestamp() == pytest.approx(record["created"])
         assert info.url == f"s3://{bucket}/{info.prefix}" and info.compression is None
     incomplete = infos[3]
-    assert (incomplete.total_bytes, incomplete.num_objects, incomplete.save_id) == (100, 1, "xyz")
+    assert (incomplete.total_bytes, incomplete.num_objects, incomplete.save_id) == (
+        100,
+        1,
+        "feed" * 6,
+    )
     assert isinstance(incomplete.created, datetime) and incomplete.world_size is None
 
 
@@ -114,8 +125,13 @@ def test_prune_keeps_the_newest_and_never_the_incomplete(s3: S3Env, bucket: str,
     assert sorted(i.prefix for i in deleted) == ["run/step-1", "run/step-2"]
     keys = listing(s3.client, bucket)
     assert not [k for k in keys if k.startswith(("run/step-1/", "run/step-2/"))]
-    assert f"{INCOMPLETE}/data-xyz/00000-000" in keys and "run/logs/train.txt" in keys
-    assert uploads_in_progress(s3.client, bucket) == [f"{INCOMPLETE}/data-xyz/00001-000"]
+    assert (
+        f"{INCOMPLETE}/data-feedfeedfeedfeedfeedfeed/00000-000" in keys
+        and "run/logs/train.txt" in keys
+    )
+    assert uploads_in_progress(s3.client, bucket) == [
+        f"{INCOMPLETE}/data-feedfeedfeedfeedfeedfeed/00001-000"
+    ]
     assert progress[-1][0] == progress[-1][1] > 0
     assert torch.equal(load(s3, bucket, "run/step-10", run[10])["w"], run[10]["w"])
     # Keeping more than there are deletes nothing; keeping none is refused before any request.
@@ -142,9 +158,13 @@ def test_delete_removes_every_object_and_upload(s3: S3Env, bucket: str, run: Any
     removal = catalog.delete(f"s3://{bucket}/run/step-2", s3.config())
     assert removal.deleted[0] == "run/step-2/.metadata"
     assert LEFTOVER in removal.deleted
-    assert [u.key for u in removal.aborted] == ["run/step-2/data-dead/00001-000"]
+    assert [u.key for u in removal.aborted] == [
+        "run/step-2/data-deaddeaddeaddeaddeaddead/00001-000"
+    ]
     assert not [k for k in listing(s3.client, bucket) if k.startswith("run/step-2/")]
-    assert "run/step-2/data-dead/00001-000" not in uploads_in_progress(s3.client, bucket)
+    assert "run/step-2/data-deaddeaddeaddeaddeaddead/00001-000" not in uploads_in_progress(
+        s3.client, bucket
+    )
     with pytest.raises(CheckpointNotFound):
         S3Reader(f"s3://{bucket}/run/step-2", config=s3.config()).read_metadata()
     with pytest.raises(CheckpointNotFound, match="no checkpoint at"):
@@ -155,7 +175,7 @@ def test_delete_removes_every_object_and_upload(s3: S3Env, bucket: str, run: Any
 
 def test_delete_of_an_incomplete_checkpoint(s3: S3Env, bucket: str, run: Any) -> None:
     removal = catalog.delete(f"s3://{bucket}/{INCOMPLETE}", s3.config())
-    assert removal.deleted == (f"{INCOMPLETE}/data-xyz/00000-000",)
+    assert removal.deleted == (f"{INCOMPLETE}/data-feedfeedfeedfeedfeedfeed/00000-000",)
     assert removal.bytes_freed == 100 and len(removal.aborted) == 1
     assert not listing(s3.client, bucket, f"{INCOMPLETE}/")
 
@@ -167,9 +187,14 @@ def test_gc_removes_only_what_no_metadata_references(s3: S3Env, bucket: str, run
         for k, v in referenced(s3, bucket, f"run/step-{step}").items()
     }
     report = catalog.gc(f"s3://{bucket}/run", timedelta(0), s3.config())
-    assert sorted(report.deleted) == sorted([LEFTOVER, f"{INCOMPLETE}/data-xyz/00000-000"])
+    assert sorted(report.deleted) == sorted(
+        [LEFTOVER, f"{INCOMPLETE}/data-feedfeedfeedfeedfeedfeed/00000-000"]
+    )
     assert sorted(u.key for u in report.aborted) == sorted(
-        ["run/step-2/data-dead/00001-000", f"{INCOMPLETE}/data-xyz/00001-000"]
+        [
+            "run/step-2/data-deaddeaddeaddeaddeaddead/00001-000",
+            f"{INCOMPLETE}/data-feedfeedfeedfeedfeedfeed/00001-000",
+        ]
     )
     assert report.bytes_freed == 150 and not report.dry_run and not report.skipped
     assert listing(s3.client, bucket) == kept | {"run/logs/train.txt": 8}
@@ -183,18 +208,20 @@ def test_gc_skips_saves_that_wrote_recently(s3: S3Env, bucket: str, run: Any) ->
     before = listing(s3.client, bucket)
     report = catalog.gc(f"s3://{bucket}/run", timedelta(hours=1), s3.config())
     assert report.deleted == () and report.aborted == () and report.bytes_freed == 0
-    assert sorted(report.skipped) == sorted([LEFTOVER, f"{INCOMPLETE}/data-xyz/00000-000"])
+    assert sorted(report.skipped) == sorted(
+        [LEFTOVER, f"{INCOMPLETE}/data-feedfeedfeedfeedfeedfeed/00000-000"]
+    )
     assert len(report.skipped_uploads) == 2
     assert listing(s3.client, bucket) == before
     assert len(uploads_in_progress(s3.client, bucket)) == 2
 
 
 def test_a_save_killed_before_any_object_completed(s3: S3Env, bucket: str) -> None:
-    key = "run/step-7/data-abc/00000-000"
+    key = "run/step-7/data-abcabcabcabcabcabcabcabc/00000-000"
     s3.client.create_multipart_upload(Bucket=bucket, Key=key)
     (info,) = catalog.list_checkpoints(f"s3://{bucket}/run", s3.config())
     assert (info.prefix, info.committed, info.step) == ("run/step-7", False, 7)
-    assert (info.num_objects, info.total_bytes, info.save_id) == (0, 0, "abc")
+    assert (info.num_objects, info.total_bytes, info.save_id) == (0, 0, "abc" * 8)
     removal = catalog.delete(f"s3://{bucket}/run/step-7", s3.config())
     assert removal.deleted == () and [u.key for u in removal.aborted] == [key]
     assert uploads_in_progress(s3.client, bucket) == []
@@ -203,7 +230,7 @@ def test_a_save_killed_before_any_object_completed(s3: S3Env, bucket: str) -> No
 # moto lists every upload as initiated on 2010-11-10: just what a long-running upload looks like.
 @pytest.mark.parametrize("s3", ["moto"], indirect=True)
 def test_gc_keeps_an_old_upload_that_still_receives_parts(s3: S3Env, bucket: str) -> None:
-    key = "run/step-3/data-long/00000-000"
+    key = "run/step-3/data-100910091009100910091009/00000-000"
     upload = s3.client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
     s3.client.upload_part(Bucket=bucket, Key=key, UploadId=upload, PartNumber=1, Body=b"z" * 10)
     report = catalog.gc(f"s3://{bucket}/run", timedelta(hours=1), s3.config())
@@ -220,9 +247,9 @@ def test_gc_dry_run_and_gc_of_one_checkpoint(s3: S3Env, bucket: str, run: Any) -
     assert listing(s3.client, bucket) == before
     one = catalog.gc(f"s3://{bucket}/run/step-2", timedelta(0), s3.config())
     assert one.deleted == (LEFTOVER,) and [u.key for u in one.aborted] == [
-        "run/step-2/data-dead/00001-000"
+        "run/step-2/data-deaddeaddeaddeaddeaddead/00001-000"
     ]
-    assert f"{INCOMPLETE}/data-xyz/00000-000" in listing(s3.client, bucket)
+    assert f"{INCOMPLETE}/data-feedfeedfeedfeedfeedfeed/00000-000" in listing(s3.client, bucket)
 
 
 def _deny_deletes(s3: S3Env, bucket: str, keys: str = "*") -> None:

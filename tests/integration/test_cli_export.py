@@ -63,7 +63,9 @@ def test_export_writes_a_torch_save_file_equal_to_the_saved_state(
 def test_export_of_an_incomplete_checkpoint_exits_3_and_writes_nothing(
     cli: Cli, s3: S3Env, bucket: str, tmp_path: Path
 ) -> None:
-    s3.client.put_object(Bucket=bucket, Key="run/step-1/data-x/00000-000", Body=b"z")
+    s3.client.put_object(
+        Bucket=bucket, Key="run/step-1/data-0a0a0a0a0a0a0a0a0a0a0a0a/00000-000", Body=b"z"
+    )
     out = tmp_path / "out.pt"
     code, _, stderr = cli("export", f"s3://{bucket}/run/step-1", str(out))
     assert code == 3 and "incomplete" in stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -11,6 +12,7 @@ from torch.distributed.checkpoint.planner import WriteItem
 
 from s3ckpt import CheckpointExists, S3Reader, S3Writer, WriteOptions
 from s3ckpt.config import MiB
+from s3ckpt.tools.catalog import gc
 from tests.helpers import listing, raised, uploads_in_progress
 
 SMALL_PARTS = {"part_size": 5 * MiB, "multipart_threshold": 5 * MiB, "max_concurrency": 2}
@@ -95,8 +97,12 @@ def test_of_two_racing_saves_exactly_one_commits(s3: Any, bucket: str) -> None:
     writer = S3Writer(bucket, "ck", config=config)
     error = raised(lambda: dcp.save(loser, storage_writer=writer, planner=RacingPlanner()))
     assert isinstance(error, CheckpointExists)
+    assert "No data was deleted" in str(error)
     data = {k.split("/")[1] for k in listing(s3.client, bucket) if "/data-" in k}
-    assert len(data) == 1, "the loser's objects must be deleted"
+    assert len(data) == 2, "the loser's objects wait for gc: its PUT was sent"
+    gc(f"s3://{bucket}/ck", timedelta(0), config, break_leases=True)
+    data = {k.split("/")[1] for k in listing(s3.client, bucket) if "/data-" in k}
+    assert len(data) == 1, "gc judges them by the record: the loser's go"
     assert torch.equal(load(s3, bucket, "ck", winner)["w"], winner["w"])
 
 

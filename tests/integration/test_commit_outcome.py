@@ -3,7 +3,11 @@ commit, and loads that race a replacing save (tests/faultproxy.py between s3ckpt
 
 from __future__ import annotations
 
+import json
 import pickle
+import threading
+import time
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -25,7 +29,8 @@ from s3ckpt import (
     WriteOptions,
 )
 from s3ckpt.config import MiB
-from tests.faultproxy import Delay, FaultProxy, ResetAfter, Status
+from s3ckpt.tools.catalog import gc
+from tests.faultproxy import Delay, FaultProxy, LateApply, ResetAfter, Status
 from tests.helpers import listing, raised, uploads_in_progress
 
 SMALL_PARTS = {"part_size": 5 * MiB, "multipart_threshold": 5 * MiB, "max_concurrency": 4}
@@ -102,14 +107,102 @@ def test_an_unknown_outcome_deletes_nothing_and_says_how_to_check(s3: Any, bucke
     assert uploads_in_progress(s3.client, bucket) == []
 
 
-def test_a_commit_refused_outright_deletes_the_save(s3: Any, bucket: str) -> None:
+def test_a_commit_refused_outright_deletes_nothing_and_leaves_it_to_gc(
+    s3: Any, bucket: str
+) -> None:
+    """Even a 403 may come from a balancer that forwarded the PUT: the error class of one
+    answer never decides that data is unreferenced; gc does, by the records."""
     with FaultProxy(s3.endpoint_url) as proxy:
         proxy.add_rule(Status(403, "AccessDenied"), op="PutObject", key=".metadata")
         config = s3.config(endpoint_url=proxy.endpoint_url, **SMALL_PARTS)
         writer = S3Writer(bucket, "ck", config=config)
         error = raised(lambda: dcp.save(state(3), storage_writer=writer))
     assert isinstance(error, AccessDenied), error
-    assert listing(s3.client, bucket) == {}  # data objects and lease alike
+    assert "not committed" in str(error) and "No data was deleted" in str(error)
+    left = listing(s3.client, bucket)
+    assert len(left) == 3 and any(k.endswith(".lease") for k in left)  # 2 objects, the lease
+    report = gc(f"s3://{bucket}/ck", older_than=timedelta(0), config=s3.config())
+    assert report.deleted == () and len(report.skipped) == 3  # the lease is left to expire
+    gc(f"s3://{bucket}/ck", older_than=timedelta(0), config=s3.config(), break_leases=True)
+    assert listing(s3.client, bucket) == {}
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_503_that_the_store_applies_later_loses_no_checkpoint(
+    s3: Any, bucket: str, overwrite: bool
+) -> None:
+    """A balancer answers 503 to every commit PUT it forwards, and the store applies them
+    seconds later: the save fails, deletes nothing, and its record lands on data that is
+    there; gc, however eager, keeps it (its lease first, then its record)."""
+    old, new = state(8), state(9)
+    dcp.save(old, storage_writer=S3Writer(bucket, "ck", config=s3.config()))
+    prefix = "ck" if overwrite else "fresh"
+    with FaultProxy(s3.endpoint_url) as proxy:
+        late = LateApply(Status(503, "SlowDown"), 4.0)
+        rule = proxy.add_rule(late, op="PutObject", key=f"{prefix}/.metadata")
+        config = s3.config(
+            endpoint_url=proxy.endpoint_url, read_timeout=1.0, retry_timeout=1.5, **SMALL_PARTS
+        )
+        writer = S3Writer(bucket, prefix, config=config, overwrite=overwrite)
+        error = raised(lambda: dcp.save(new, storage_writer=writer))
+        assert isinstance(error, CommitOutcomeUnknown), error
+        assert "No data was deleted" in str(error) and rule.fired >= 1
+        report = gc(f"s3://{bucket}", older_than=timedelta(0), config=s3.config())
+        assert not report.deleted or not overwrite  # (without: the failed save's parent run)
+        assert not data_keys(s3, bucket, f"{prefix}/") & set(report.deleted)
+        deadline = time.monotonic() + 30.0
+        while committed_save(s3, bucket, prefix) != error.save_id:
+            assert time.monotonic() < deadline, "the late PUT never landed"
+            time.sleep(0.2)
+    gc(f"s3://{bucket}", older_than=timedelta(0), config=s3.config(), break_leases=True)
+    assert_loads(s3, bucket, prefix, new)
+    if not overwrite:
+        assert_loads(s3, bucket, "ck", old)
+
+
+def committed_save(s3: Any, bucket: str, prefix: str) -> str | None:
+    try:
+        raw = s3.client.get_object(Bucket=bucket, Key=f"{prefix}/.metadata")["Body"].read()
+    except s3.client.exceptions.NoSuchKey:
+        return None
+    return str(json.loads(raw)["save_id"])
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_objects_deleted_while_the_commit_was_in_flight_fail_the_save(
+    s3: Any, bucket: str, overwrite: bool
+) -> None:
+    """A removal that took the save for dead (its lease refreshes stalled past the TTL; here gc
+    breaking its lease) deletes its objects while the commit PUT is held back: the save must
+    not report success for a checkpoint that does not load, and a record it replaced comes
+    back."""
+    old = state(11)
+    if overwrite:
+        dcp.save(old, storage_writer=S3Writer(bucket, "ck", config=s3.config()))
+    with FaultProxy(s3.endpoint_url) as proxy:
+        held = proxy.add_rule(Delay(2.0), op="PutObject", key="ck/.metadata")
+        config = s3.config(endpoint_url=proxy.endpoint_url, read_timeout=10.0, **SMALL_PARTS)
+        collected: list[Any] = []
+
+        def collect_when_held() -> None:
+            deadline = time.monotonic() + 30.0
+            while held.fired == 0 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            url = f"s3://{bucket}/ck"
+            collected.append(gc(url, timedelta(0), s3.config(), break_leases=True))
+
+        thread = threading.Thread(target=collect_when_held)
+        thread.start()
+        writer = S3Writer(bucket, "ck", config=config, overwrite=overwrite)
+        error = raised(lambda: dcp.save(state(10), storage_writer=writer))
+        thread.join()
+    assert collected and len(collected[0].deleted) >= 2
+    assert isinstance(error, IncompleteCheckpoint), error
+    assert "withdrawn after the commit" in str(error) and "lapsed" in str(error)
+    if overwrite:
+        assert_loads(s3, bucket, "ck", old)
+    else:
+        assert "ck/.metadata" not in listing(s3.client, bucket)  # no record over missing data
 
 
 class _Vanishing(S3Writer):
@@ -136,7 +229,6 @@ def data_keys_of(client: Any, bucket: str) -> list[str]:
 def test_a_commit_never_references_an_object_that_is_not_there(s3: Any, bucket: str) -> None:
     saved = state(4)
     with FaultProxy(s3.endpoint_url) as proxy:
-        heads = proxy.add_rule(Delay(0.0), op="HeadObject", key="/data-")
         config = s3.config(endpoint_url=proxy.endpoint_url, **SMALL_PARTS)
         dcp.save(
             saved,
@@ -145,7 +237,9 @@ def test_a_commit_never_references_an_object_that_is_not_there(s3: Any, bucket: 
             ),
         )
         objects = [k for k in listing(s3.client, bucket, "ok/") if "/data-" in k]
-        assert len(objects) == 2 and heads.fired == 2  # one HEAD per referenced object
+        # The save's directory listed before the commit and after it, no HEAD per object.
+        assert len(objects) == 2 and proxy.requests["HeadObject"] == 1  # (the .metadata's)
+        assert proxy.requests["ListObjectsV2"] == 2
         writer = _Vanishing(
             bucket, "ck", config=config, client=s3.client, options=WriteOptions(objects_per_rank=2)
         )

@@ -66,10 +66,14 @@ def test_missing_checkpoint_says_nothing_is_there(s3: Any, bucket: str) -> None:
 
 
 def test_incomplete_checkpoint_is_reported_as_such(s3: Any, bucket: str) -> None:
-    s3.client.put_object(Bucket=bucket, Key="half/data-abc/00000-000", Body=b"x" * 10)
+    s3.client.put_object(
+        Bucket=bucket, Key="half/data-abcabcabcabcabcabcabcabc/00000-000", Body=b"x" * 10
+    )
     error = raised(lambda: load(s3.config(), bucket, "half"))
     assert isinstance(error, IncompleteCheckpoint)
-    assert "half/data-abc/00000-000" in str(error) and "no .metadata" in str(error)
+    assert "half/data-abcabcabcabcabcabcabcabc/00000-000" in str(error) and "no .metadata" in str(
+        error
+    )
     assert_load_says(s3.config(), bucket, str(error), prefix="half")
 
 

@@ -146,9 +146,7 @@ def test_status_answers_an_s3_error_without_forwarding(s3: S3Env, bucket: str) -
         assert info.value.response["ResponseMetadata"]["HTTPStatusCode"] == 500
 
 
-def test_late_apply_answers_an_error_and_applies_the_request_later(
-    s3: S3Env, bucket: str
-) -> None:
+def test_late_apply_answers_an_error_and_applies_the_request_later(s3: S3Env, bucket: str) -> None:
     """The client sees a 503; the request reaches the server a second later all the same."""
     with FaultProxy(s3.endpoint_url) as proxy:
         client = client_for(s3, proxy.endpoint_url)

@@ -270,6 +270,33 @@ def test_the_manager_saves_incrementally_and_restores(s3: Any, bucket: str) -> N
     assert describe(f"{url}/step-000000005", s3.config())[0].references == ("step-000000001",)
 
 
+@pytest.mark.parametrize("writers", [1, 2])
+def test_incremental_retention_converges_at_once(s3: Any, bucket: str, writers: int) -> None:
+    """Each save pins the base it references until LEASE_TTL after its commit, but a pin
+    protects what the record references, not the base's record: with keep_last=1 only the
+    newest record stays, and of the older saves only the objects it references (two managers
+    taking turns on one run, too)."""
+    state, url = model(), f"s3://{bucket}/run"
+    managers = [
+        CheckpointManager(url, keep_last=1, config=s3.config(**PARTS), incremental=True)
+        for _ in range(writers)
+    ]
+    for step in range(1, 7):
+        mgr = managers[step % writers]
+        mgr.save(step, trained(state, step), force=True)
+        mgr.wait()
+    for mgr in managers:
+        mgr.close()
+    assert managers[0].steps() == [6]
+    newest = describe(f"{url}/step-000000006", s3.config())[0]
+    assert newest.references == ("step-000000001",)
+    stored = {k for k in listing(s3.client, bucket, "run/") if not k.endswith(".lease")}
+    raw = s3.client.get_object(Bucket=bucket, Key="run/step-000000006/.metadata")["Body"].read()
+    needed = {Location(bucket, "run/step-000000006").key(k) for k in decode(raw, url="").objects}
+    assert stored == needed | {"run/step-000000006/.metadata"}, "nothing else is left"
+    assert dangling(s3, bucket, "run") == []
+
+
 def test_the_managers_full_every_saves_in_full_once_per_window(s3: Any, bucket: str) -> None:
     state, url = model(), f"s3://{bucket}/run"
     config = s3.config(**PARTS)

@@ -52,7 +52,7 @@ def runs(s3: S3Env, bucket: str) -> None:
     for step in STEPS:
         save(s3, bucket, f"{RUN}/step-{step:06d}", state())
     save(s3, bucket, NESTED, state(), compression="zstd")
-    key = f"{RUN}/step-000400/data-dead/00000-000"
+    key = f"{RUN}/step-000400/data-deaddeaddeaddeaddeaddead/00000-000"
     s3.client.put_object(Bucket=bucket, Key=key, Body=b"x" * 100)
     s3.client.put_object(Bucket=bucket, Key=f"{RUN}/logs/train.txt", Body=b"loss 0.1")
 

@@ -65,17 +65,21 @@ def test_dcp_load_hides_what_check_raises(s3: Any, bucket: str) -> None:
 
 
 def test_data_objects_without_record_are_incomplete(s3: Any, bucket: str) -> None:
-    s3.client.put_object(Bucket=bucket, Key="half/data-abc/00000-000", Body=b"x" * 10)
+    s3.client.put_object(
+        Bucket=bucket, Key="half/data-abcabcabcabcabcabcabcabc/00000-000", Body=b"x" * 10
+    )
     error = check(S3Reader(bucket, "half", config=s3.config()))
     assert isinstance(error, IncompleteCheckpoint), error
-    assert "half/data-abc/00000-000" in str(error)
+    assert "half/data-abcabcabcabcabcabcabcabc/00000-000" in str(error)
 
 
 def test_uploads_without_objects_are_incomplete(s3: Any, bucket: str) -> None:
-    s3.client.create_multipart_upload(Bucket=bucket, Key="up/data-def/00000-000")
+    s3.client.create_multipart_upload(
+        Bucket=bucket, Key="up/data-defdefdefdefdefdefdefdef/00000-000"
+    )
     error = check(S3Reader(bucket, "up", config=s3.config()))
     assert isinstance(error, IncompleteCheckpoint), error
-    assert "up/data-def/00000-000" in str(error)
+    assert "up/data-defdefdefdefdefdefdefdef/00000-000" in str(error)
 
 
 def test_garbled_record_is_a_metadata_error(s3: Any, bucket: str) -> None:

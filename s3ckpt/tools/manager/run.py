@@ -1,10 +1,11 @@
 """A run's checkpoints on the store: which steps are committed, and retention's deletes.
 
 A run is a prefix whose children are ``step-<digits>`` checkpoints. Listing its committed steps
-costs one LIST request per 1000 children plus one HEAD of ``.metadata`` per child. Retention
-deletes through `s3ckpt.tools.removal`, so a save whose lease is live keeps its objects whatever
-the policy says; before that, a victim with any live lease (a save, or a reader's `ReadLease`)
-is left for a later pass, and a victim whose objects a lease still spared is swept again later.
+costs one LIST request per 1000 children plus one HEAD of ``.metadata`` per child; retention also
+reads each record it has not seen before (`references.records`: a GET, then cached by ETag), to
+judge only records it can read. It deletes through `s3ckpt.tools.removal`, so a save whose lease
+is live keeps its objects whatever the policy says, and a victim whose objects a pin still holds
+loses its record at once and the rest in a later pass.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.distributed as dist
 
 from ...config import S3Config
 from ...dcp.prefix import saves
+from ...dcp.references import records
 from ...engine import bridge
 from ...engine.contract import ObjectStore
 from ...engine.store import get_store
@@ -25,7 +27,7 @@ from .. import removal, scan
 from ..retention import Retention, step_in, step_name
 from .collective import Agreement
 
-__all__ = ["Run", "children", "committed", "in_use", "prune"]
+__all__ = ["Run", "children", "committed", "prune"]
 
 log = logging.getLogger(__name__)
 
@@ -72,14 +74,10 @@ async def committed(store: ObjectStore, run: Location) -> dict[int, Location]:
     }
 
 
-async def in_use(store: ObjectStore, location: Location) -> bool:
-    """Whether any save at ``location`` holds a live lease: it is being written, or read."""
-    data, now = await saves(store, location)
-    return bool(scan.live_saves(data, now))
-
-
 async def _holds_objects(store: ObjectStore, location: Location) -> bool:
-    return bool((await store.list_objects(location.bucket, location.listing_prefix)).objects)
+    """Whether objects of a save are left at ``location`` (files s3ckpt did not write do not
+    count: no removal touches them)."""
+    return bool((await saves(store, location)).objects)
 
 
 def _delete(location: Location, config: S3Config) -> bool:
@@ -97,31 +95,42 @@ def prune(
     leftovers: dict[int, Location],
     damaged: frozenset[int] = frozenset(),
 ) -> list[int]:
-    """Apply ``retention`` to the committed steps once; returns the steps deleted.
+    """Apply ``retention`` to the run's committed steps once; returns the steps deleted.
 
-    ``damaged`` steps (restore could not load them) are left out of the policy: counted as
-    kept, a damaged newest step would make the last loadable checkpoints its victims.
-    ``leftovers`` (updated) holds the deleted steps whose objects a live lease spared: each pass
-    deletes them again, until nothing is left or the step is committed anew.
+    The policy sees only records that can be read, as ``s3ckpt prune``'s does: one that cannot
+    (garbled, or written by a newer s3ckpt) is never deleted and counts for nothing, since what
+    it references is unknown (an older s3ckpt must not delete a newer job's checkpoints) and,
+    counted as the newest, it would make the loadable ones its victims. ``damaged`` steps
+    (restore could not load them) are left out of the policy for that reason too.
+
+    A victim's record goes at once, so the policy converges; objects that a pin still holds (a
+    reader loading the checkpoint) stay. ``leftovers`` (updated) holds such steps: each pass
+    deletes what is left of them again, until nothing is or the step is committed anew.
     """
     store = run.store
-    found = bridge.run(committed(store, run.location))
+    found = bridge.run(children(store, run.location))
+    read = bridge.run(records(store, list(found.values())))
+    recorded = {step: r for step, r in zip(found, read, strict=True) if r is not None}
     for step, location in sorted(leftovers.items()):
-        if step not in found:  # (committed again: retention judges it like any other step)
+        if step not in recorded:  # (committed again: retention judges it like any other step)
             _delete(location, run.config)
             if bridge.run(_holds_objects(store, location)):
                 continue
         del leftovers[step]
-    deleted = []
-    for step in retention.victims([s for s in found if s not in damaged]):
-        location = found[step]
-        if bridge.run(in_use(store, location)):
-            log.info("%s: kept until a later save: it is being read or written", location.url)
-            continue
-        if _delete(location, run.config):
-            deleted.append(step)
-        if bridge.run(_holds_objects(store, location)):
-            leftovers[step] = location
+    readable = {}
+    for step, record in recorded.items():
+        if record.unreadable is None:
+            readable[step] = record
+        else:
+            why = record.unreadable
+            log.warning("%s: kept, its record cannot be read: %s", record.location.url, why)
+    steps = retention.victims(s for s in readable if s not in damaged)
+    victims = [readable[s] for s in steps]
+    gone = set(removal.remove(run.location.url, victims, run.config)) if victims else set()
+    deleted = [step for step in steps if readable[step].location in gone]
+    for step in deleted:
+        if bridge.run(_holds_objects(store, readable[step].location)):
+            leftovers[step] = readable[step].location
     if deleted:
         log.info("%s: retention deleted step(s) %s", run.location.url, deleted)
     return deleted

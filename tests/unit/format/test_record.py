@@ -747,12 +747,15 @@ def test_dcp_save_and_load_through_the_json_record() -> None:
     assert target["names"] == ["a", "b"]
 
 
+SIBLING_SAVE = "0123456789abcdef01234567"
+
+
 def _referencing(data: bytes, *, version: int) -> bytes:
     """The record with its first object moved to a sibling checkpoint's save."""
 
     def change(record: dict[str, Any]) -> None:
         old = sorted(record["objects"])[0]
-        new = f"../step-1/data-abc/{old.rpartition('/')[2]}"
+        new = f"../step-1/data-{SIBLING_SAVE}/00000-000"
         record["objects"][new] = record["objects"].pop(old)
         record["frames"][new] = record["frames"].pop(old)
         for entry in record["state_dict"].values():
@@ -769,7 +772,7 @@ def test_references_and_digests_round_trip_in_version_2(
 ) -> None:
     metadata, locators, objects, _ = saved
     digests = {index: f"{n:032x}" for n, index in enumerate(locators) if index.offset is not None}
-    moved = {k: f"../step-1/data-abc/{k.rpartition('/')[2]}" for k in objects}
+    moved = {k: f"../step-1/data-{SIBLING_SAVE}/{n:05d}-000" for n, k in enumerate(objects)}
     data = encode(
         metadata,
         {i: Locator(moved[loc.key], loc.offset, loc.length) for i, loc in locators.items()},
