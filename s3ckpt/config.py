@@ -45,10 +45,16 @@ class S3Config:
     ``part_size x max_concurrency`` bounds the bytes held by in-flight requests per process.
     A request that fails transiently is retried for ``retry_timeout`` seconds (capped backoff, see
     `s3ckpt.engine.retry`): a store restarting or shedding load for a few seconds costs time, not
-    the save; ``max_attempts`` caps the attempts as well (``None``: as many as fit). A store that
-    stays down fails a request after ``retry_timeout`` plus that attempt's own timeout. A GET must
-    deliver its bytes at ``min_read_rate`` or better, with one ``read_timeout`` to spare, or the
-    attempt is cut and resumed where it got (a third cut fails it). ``checksum`` is what uploads
+    the save; ``max_attempts`` caps the attempts as well (``None``: as many as fit). Every attempt
+    must be answered within ``connect_timeout + read_timeout`` of being sent, plus its request
+    body at ``min_read_rate`` (an UploadPart of 16 MiB: 16 s more): aiohttp's own read timeout
+    restarts with every byte, so a server dribbling its answer would hold the request for ever.
+    For a GET that bounds the response head; its body must then arrive at ``min_read_rate`` or
+    better, with one ``read_timeout`` to spare, or the attempt is cut and resumed where it got (a
+    third cut fails it). An attempt past its deadline fails transiently (``StorageError``, code
+    ``ResponseTimeout``), retried while the window lasts (with the defaults it does not: the 65 s
+    deadline outlasts the 60 s window), so a store that stays down, silent or dribbling, fails a
+    request after ``retry_timeout`` plus one attempt's deadline. ``checksum`` is what uploads
     carry so that the server refuses damaged bytes (see `s3ckpt.engine.wire`; ``auto`` asks each
     bucket once).
     ``max_record_size`` is the largest commit record (``.metadata``) a load or a tool will read:
@@ -73,6 +79,7 @@ class S3Config:
     # still gives each 780 KB/s). What it cuts is a trickle (a failing disk or proxy) that
     # aiohttp's per-read timeout never ends: 8 MB at 4 KiB/s is cut at 68 s. A cut costs a
     # request, not progress: the retry resumes at the first missing byte (frame when checked).
+    # A request body goes out at this rate too: an UploadPart of 16 MiB is answered within 81 s.
     min_read_rate: float = 1 * MiB
     part_size: int = 16 * MiB
     multipart_threshold: int = 16 * MiB

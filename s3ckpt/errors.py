@@ -90,8 +90,9 @@ class StorageError(S3CkptError):
     """A request to the object store failed.
 
     ``operation`` is the S3 call, ``code`` the S3 error code or the client-side failure (an
-    exception class, or one of s3ckpt's: ``Truncated``, ``TooSlow``, ``SizeMismatch``,
-    ``ChecksumMismatch``, ``Undecodable``), ``status`` the HTTP status if there was an answer.
+    exception class, or one of s3ckpt's: ``ResponseTimeout``, ``Truncated``, ``TooSlow``,
+    ``SizeMismatch``, ``ChecksumMismatch``, ``Undecodable``), ``status`` the HTTP status if there
+    was an answer.
     """
 
     def __init__(

@@ -1,7 +1,8 @@
 """Calls to the object store: clients, the concurrency bound, retries, and small operations.
 
 `Calls` is the base of the engine's `S3Store`: every S3 call goes through `Calls._call`, which
-maps errors (one place: `clients.map_error`), counts, and retries as `retry` says. The small
+maps errors (one place: `clients.map_error`), counts, and retries as `retry` says. Every attempt
+of every call is one `Calls._request`, which must be answered within its `Deadline`. The small
 operations of the `contract` (HEAD, listings, deletes, buckets, aborts) live here; moving data
 lives in `downloads` and `store`.
 """
@@ -24,11 +25,35 @@ from .clients import ClientHolder, map_error
 from .contract import Listing, Part, Stats, StoredObject, Upload
 from .retry import RetryPolicy, is_repeat_limited, is_transient
 
-__all__ = ["Calls", "etag_of"]
+__all__ = ["Calls", "Deadline", "etag_of"]
 
 T = TypeVar("T")
 log = logging.getLogger("s3ckpt.engine")
 _DELETE_BATCH = 1000  # the most keys one DeleteObjects takes
+
+
+@dataclasses.dataclass
+class Deadline:
+    """The time one attempt's waits have left, in all. aiohttp's read timeout restarts with every
+    chunk received, so a server that trickles a response (its head or its body) would hold a
+    request for hours; this bounds the total. Only the time spent in `wait` counts, not the
+    checking and decoding between reads."""
+
+    left: float
+    expired: Callable[[], StorageError]
+
+    async def wait(self, step: Awaitable[T]) -> T:
+        """``await step``; raises ``expired()`` once the time is used up."""
+        clock = asyncio.get_running_loop().time
+        began = clock()
+        try:
+            return await asyncio.wait_for(step, max(self.left, 0.0))
+        except asyncio.TimeoutError:
+            if clock() - began < self.left:
+                raise  # aiohttp's own timeout (a silent server), not the deadline
+            raise self.expired() from None
+        finally:
+            self.left -= clock() - began
 
 
 class Calls:
@@ -76,14 +101,48 @@ class Calls:
         policy = retry or self.retry
 
         async def attempt() -> Any:
-            client = await self._client()
-            return await getattr(client, operation)(Bucket=bucket, **params)
+            return await self._request(operation, bucket, key, **params)
 
         return await self._retrying(operation, bucket, key, attempt, policy, on_failure=on_failure)
 
-    async def _client(self) -> Any:
-        """The next endpoint's client: requests (and retries) rotate over all endpoints."""
-        return await self._clients[next(self._turn) % len(self._clients)].get()
+    async def _request(self, operation: str, bucket: str, key: str | None, **params: Any) -> Any:
+        """One attempt: the client's ``operation``, on the next endpoint (requests and retries
+        rotate over them all). The only place the engine sends a request, so that each is
+        answered within `_answer_deadline` or fails transiently (``ResponseTimeout``)."""
+        client = await self._clients[next(self._turn) % len(self._clients)].get()
+        deadline = self._answer_deadline(operation, bucket, key, len(params.get("Body", b"")))
+        return await deadline.wait(getattr(client, operation)(Bucket=bucket, **params))
+
+    def _answer_deadline(self, operation: str, bucket: str, key: str | None, sent: int) -> Deadline:
+        """From the call until its answer: the response head for a GET (its body has a deadline
+        of its own, `Downloads`), the whole response otherwise (a few KiB of XML at most).
+
+        ``connect_timeout + read_timeout``, which a healthy server never needs (aiohttp allows
+        as much to connect and to wait for the first byte), plus the request's ``sent`` body
+        bytes at ``min_read_rate``: an UploadPart's body goes out within the deadline too, at
+        the rate a GET must keep.
+        """
+        c = self.config
+        seconds = c.connect_timeout + c.read_timeout + sent / c.min_read_rate
+        where = f"s3://{bucket}/{key}" if key else f"s3://{bucket}"
+        body, link = "", ""
+        if sent:
+            body = f", plus {sent} request bytes at min_read_rate"
+            link = " (or the link: on one this slow, lower min_read_rate or max_concurrency)"
+
+        def expired() -> StorageError:
+            return StorageError(
+                f"{operation} {where} at {self.endpoint}: the response did not arrive within "
+                f"{seconds:.1f} s (connect_timeout + read_timeout{body}); the server, or a proxy "
+                f"on the way, answers too slowly{link}",
+                endpoint=self.endpoint,
+                bucket=bucket,
+                key=key,
+                operation=operation,
+                code="ResponseTimeout",
+            )
+
+        return Deadline(seconds, expired)
 
     async def _retrying(
         self,

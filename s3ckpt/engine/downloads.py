@@ -3,15 +3,14 @@
 `Downloads` sits between `Calls` (calls, retries) and `S3Store` (which adds uploads). A ranged
 read that breaks off resumes at the first byte still missing; with a `StreamCheck` it verifies
 every range's CRC32C as the bytes stream past and resumes at a damaged one. Every body
-must arrive within a deadline set by its size and ``min_read_rate`` (`_Deadline`), or the attempt
-fails (code ``TooSlow``) and is retried from where it got.
+must arrive within a `Deadline` set by its size and ``min_read_rate`` (its head has one of its
+own, `Calls._request`), or the attempt fails (code ``TooSlow``) and is retried from where it got.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import botocore.exceptions
@@ -19,37 +18,13 @@ import botocore.exceptions
 from ..checksums import Checksums, StreamCheck
 from ..errors import ChecksumMismatch, StorageError
 from .buffers import Scatter
-from .calls import Calls, etag_of
+from .calls import Calls, Deadline, etag_of
 from .contract import Blob
 from .retry import RetryPolicy
 
 __all__ = ["Downloads"]
 
 _READ_CHUNK = 1024 * 1024
-
-
-@dataclass
-class _Deadline:
-    """The reading time one attempt's body has left. aiohttp's read timeout restarts with every
-    chunk, so a server that trickles bytes would hold a read for hours; this bounds the total.
-    Only time spent waiting for bytes counts, not the checking and decoding between reads."""
-
-    left: float
-    too_slow: Callable[[], StorageError]
-
-    async def read(self, body: Any, amount: int | None = None) -> bytes:
-        """``body.read(amount)``; raises ``too_slow()`` once the time is used up."""
-        clock = asyncio.get_running_loop().time
-        began = clock()
-        try:
-            data: bytes = await asyncio.wait_for(body.read(amount), max(self.left, 0.0))
-        except asyncio.TimeoutError:
-            if clock() - began < self.left:
-                raise  # aiohttp's own read timeout (a silent server), not the deadline
-            raise self.too_slow() from None
-        finally:
-            self.left -= clock() - began
-        return data
 
 
 def _count(text: Any) -> int | None:
@@ -72,7 +47,7 @@ class Downloads(Calls):
         refused: list[Exception] = []
 
         async def attempt() -> Blob:
-            reply = await (await self._client()).get_object(Bucket=bucket, Key=key)
+            reply = await self._request("get_object", bucket, key, Key=key)
             deadline = self._deadline(bucket, key, reply["ContentLength"])
             async with reply["Body"] as body:
                 if check_size is not None:
@@ -81,7 +56,7 @@ class Downloads(Calls):
                     except Exception as e:  # a refusal, not a failed request: never retried
                         refused.append(e)
                         return Blob(b"", "")
-                data = await deadline.read(body)
+                data = await deadline.wait(body.read())
             if len(data) != reply["ContentLength"]:
                 ended = f"after {len(data)} of {reply['ContentLength']} bytes"
                 raise self._truncated(bucket, key, ended)
@@ -118,7 +93,7 @@ class Downloads(Calls):
             deadline = self._deadline(bucket, key, end - scatter.position)
             async with reply["Body"] as body:
                 while scatter.position < end:
-                    chunk = await deadline.read(body, min(_READ_CHUNK, end - scatter.position))
+                    chunk = await deadline.wait(body.read(min(_READ_CHUNK, end - scatter.position)))
                     if not chunk:
                         break
                     # Scatter first: a chunk may end verified frames before a damaged one, and a
@@ -164,7 +139,7 @@ class Downloads(Calls):
                 while following < frames.stop:
                     chunks, wanted = [], starts[following + 1] - starts[following]
                     while wanted:
-                        chunk = await deadline.read(body, min(_READ_CHUNK, wanted))
+                        chunk = await deadline.wait(body.read(min(_READ_CHUNK, wanted)))
                         if not chunk:
                             break
                         self.stats.bytes_received += len(chunk)
@@ -200,8 +175,8 @@ class Downloads(Calls):
         before any body is read.
         """
         try:
-            reply: dict[str, Any] = await (await self._client()).get_object(
-                Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}"
+            reply: dict[str, Any] = await self._request(
+                "get_object", bucket, key, Key=key, Range=f"bytes={start}-{end - 1}"
             )
         except botocore.exceptions.ClientError as e:
             error = e.response.get("Error", {})
@@ -230,7 +205,7 @@ class Downloads(Calls):
             "was truncated or replaced after it was written",
         )
 
-    def _deadline(self, bucket: str, key: str, size: int) -> _Deadline:
+    def _deadline(self, bucket: str, key: str, size: int) -> Deadline:
         """``size`` bytes at ``min_read_rate``, plus one ``read_timeout`` of slack: a healthy
         server may stall that long once (a busy disk, a slow start) and still be on time."""
         rate, seconds = self.config.min_read_rate, self.config.read_timeout
@@ -246,7 +221,7 @@ class Downloads(Calls):
                 "max_concurrency)",
             )
 
-        return _Deadline(seconds, too_slow)
+        return Deadline(seconds, too_slow)
 
     def _truncated(self, bucket: str, key: str, ended: str) -> StorageError:
         """A response body that ended early: retried like a lost connection."""

@@ -290,8 +290,7 @@ class S3Store(Downloads):
             nonlocal sent
             sent += 1
             extra = {"ChecksumAlgorithm": "CRC32C"} if mode == "crc32c" else {}
-            client = await self._client()
-            return await client.create_multipart_upload(Bucket=bucket, Key=key, **extra)
+            return await self._request("create_multipart_upload", bucket, key, Key=key, **extra)
 
         create = asyncio.ensure_future(
             self._retrying("create_multipart_upload", bucket, key, attempt)

@@ -1,9 +1,11 @@
-"""Retries last as long as ``retry_timeout`` allows, and a trickling body cannot hold a load.
+"""Retries last as long as ``retry_timeout`` allows, and a trickling body or head cannot hold
+a load or a save.
 
 A store that restarts or browns out (every request answered 503 SlowDown for a few seconds) must
 cost a save or a load time, not the checkpoint; one that stays down must fail, typed, soon after
-one window; a GET whose body trickles is cut at its deadline and resumed where it got. Bounds on
-how long a failure takes are generous: they catch a hang or a second window, no performance goal.
+one window; a GET whose body trickles is cut at its deadline and resumed where it got; a response
+head that trickles is cut at its request's deadline and the request retried. Bounds on how long a
+failure takes are generous: they catch a hang or a second window, no performance goal.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from s3ckpt import EndpointUnreachable, S3Reader, S3Writer, StorageError, WriteO
 from s3ckpt.cli import main
 from s3ckpt.config import MiB
 from s3ckpt.engine.store import get_store
-from tests.faultproxy import FaultProxy, Status, Trickle
-from tests.helpers import raised
+from tests.faultproxy import FaultProxy, Status, Trickle, TrickleHead
+from tests.helpers import listing, raised
 from tests.integration.test_faultproxy import client_for
 from tests.integration.test_faults import assert_equal, state, zeros
 
@@ -35,6 +37,13 @@ BROWNOUT_S = 5.0
 SHORT = {"retry_timeout": 3.0, "connect_timeout": 1.0, "read_timeout": 1.0}
 WINDOW_S = SHORT["retry_timeout"]
 FAILS_WITHIN_S = WINDOW_S + SHORT["connect_timeout"] + SHORT["read_timeout"] + 5
+# A response head relayed at 4 B/s: its few hundred bytes take over a minute, each byte well
+# within read_timeout of the one before, so only a deadline on the whole request ends the wait.
+HEAD_TRICKLE = TrickleHead(4)
+# Each attempt's deadline is 2 s, so that the 5 s window holds a retry.
+TIGHT = {"connect_timeout": 1.0, "read_timeout": 1.0, "retry_timeout": 5.0}
+# Far below the minute one trickled head takes: a bound against a hang, not a goal.
+NO_HANG_S = 30.0
 
 
 def timed_failure(call: Callable[[], Any]) -> tuple[BaseException, float]:
@@ -193,6 +202,96 @@ def test_a_body_that_stays_too_slow_fails_typed(s3: Any, bucket: str) -> None:
         error = raised(lambda: dcp.load({"w": torch.zeros(256 * 1024)}, storage_reader=reader))
     assert isinstance(error, StorageError) and error.code == "TooSlow", error
     assert "slower than min_read_rate" in str(error) and "/data-" in str(error)
+
+
+def assert_timed_out(error: BaseException, bucket: str, operation: str, key: str) -> None:
+    """The typed error of a request whose answer did not arrive within its deadline."""
+    assert isinstance(error, StorageError) and error.code == "ResponseTimeout", error
+    assert error.bucket == bucket and error.operation == operation, error
+    assert error.key is not None and key in error.key, error
+    bound = TIGHT["connect_timeout"] + TIGHT["read_timeout"]
+    assert f"the response did not arrive within {bound:.1f} s" in str(error), error
+
+
+@pytest.mark.timeout(120)
+def test_a_record_whose_response_head_trickles_once_is_read_on_the_retry(
+    s3: Any, bucket: str
+) -> None:
+    saved = {"w": torch.arange(1000.0)}
+    dcp.save(saved, storage_writer=S3Writer(bucket, "ck", config=s3.config()))
+    with FaultProxy(s3.endpoint_url) as proxy:
+        rule = proxy.add_rule(HEAD_TRICKLE, op="GetObject", key=".metadata", times=1)
+        config = s3.config(endpoint_url=proxy.endpoint_url, **TIGHT)
+        loaded = {"w": torch.zeros(1000)}
+        began = time.monotonic()
+        dcp.load(loaded, storage_reader=S3Reader(bucket, "ck", config=config))
+        elapsed = time.monotonic() - began
+    assert torch.equal(loaded["w"], saved["w"])
+    assert rule.fired == 1 and rule.matched >= 2, "the trickled GET was cut and sent again"
+    assert elapsed < NO_HANG_S, elapsed
+
+
+@pytest.mark.timeout(120)
+def test_a_record_whose_response_head_always_trickles_fails_the_load_typed(
+    s3: Any, bucket: str
+) -> None:
+    dcp.save({"w": torch.arange(1000.0)}, storage_writer=S3Writer(bucket, "ck", config=s3.config()))
+    with FaultProxy(s3.endpoint_url) as proxy:
+        rule = proxy.add_rule(HEAD_TRICKLE, op="GetObject", key=".metadata")
+        config = s3.config(endpoint_url=proxy.endpoint_url, **TIGHT)
+        began = time.monotonic()
+        # Not through dcp.load, which reports a failed read_metadata as a message in a string.
+        error = raised(S3Reader(bucket, "ck", config=config).read_metadata)
+        elapsed = time.monotonic() - began
+    assert_timed_out(error, bucket, "get_object", "ck/.metadata")
+    assert rule.fired >= 2, "retried within the window"
+    assert elapsed < NO_HANG_S, elapsed
+
+
+# The save's HEADs of its data objects before the commit, and its leases.
+SAVE_REQUESTS = {
+    "commit-heads": ("HeadObject", "/data-", "head_object"),
+    "lease-puts": ("PutObject", "/.lease", "put_object"),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("requests", SAVE_REQUESTS)
+def test_a_save_whose_response_heads_trickle_once_is_retried(
+    s3: Any, bucket: str, requests: str
+) -> None:
+    op, key, _ = SAVE_REQUESTS[requests]
+    saved = {"w": torch.arange(1000.0)}
+    with FaultProxy(s3.endpoint_url) as proxy:
+        rule = proxy.add_rule(HEAD_TRICKLE, op=op, key=key, times=1)
+        config = s3.config(endpoint_url=proxy.endpoint_url, **TIGHT)
+        began = time.monotonic()
+        dcp.save(saved, storage_writer=S3Writer(bucket, "ck", config=config))
+        elapsed = time.monotonic() - began
+    loaded = {"w": torch.zeros(1000)}
+    dcp.load(loaded, storage_reader=S3Reader(bucket, "ck", config=s3.config()))
+    assert torch.equal(loaded["w"], saved["w"])
+    assert rule.fired == 1 and rule.matched >= 2, "the trickled request was cut and sent again"
+    assert elapsed < NO_HANG_S, elapsed
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("requests", SAVE_REQUESTS)
+def test_a_save_whose_response_heads_always_trickle_fails_typed(
+    s3: Any, bucket: str, requests: str
+) -> None:
+    op, key, operation = SAVE_REQUESTS[requests]
+    with FaultProxy(s3.endpoint_url) as proxy:
+        rule = proxy.add_rule(HEAD_TRICKLE, op=op, key=key)
+        config = s3.config(endpoint_url=proxy.endpoint_url, **TIGHT)
+        writer = S3Writer(bucket, "ck", config=config)
+        began = time.monotonic()
+        error = raised(lambda: dcp.save({"w": torch.arange(1000.0)}, storage_writer=writer))
+        elapsed = time.monotonic() - began
+    assert_timed_out(error, bucket, operation, key)
+    assert rule.fired >= 2, "retried within the window"
+    assert elapsed < NO_HANG_S, elapsed
+    assert "ck/.metadata" not in listing(s3.client, bucket, "ck/"), "nothing was committed"
 
 
 def test_the_cli_takes_a_retry_timeout(

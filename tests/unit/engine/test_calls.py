@@ -1,5 +1,6 @@
 """The retry loop itself (`Calls._retrying`), with fake attempts: fresh windows for reads that
-make progress, failing fast once a window ran out, retries logged at INFO. No server."""
+make progress, failing fast once a window ran out, retries logged at INFO; and each attempt's
+deadline (`Calls._request`), with a fake client that never answers. No server."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 from s3ckpt import StorageError
 from s3ckpt.config import S3Config
 from s3ckpt.engine.calls import Calls
+from s3ckpt.engine.clients import ClientHolder
 
 
 def requests_for(**settings: Any) -> Calls:
@@ -83,3 +85,60 @@ def test_retries_are_logged_at_info(caplog: pytest.LogCaptureFixture) -> None:
     retries = [r for r in caplog.records if "retrying in" in r.getMessage()]
     assert len(retries) > 1 and {r.levelno for r in retries} == {logging.INFO}
     assert "for up to 0.5 s" in retries[0].getMessage()
+
+
+class Unanswered:
+    """A client whose calls never return: a server that never finishes its answer."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def head_object(self, **params: Any) -> None:
+        self.calls += 1
+        await asyncio.Event().wait()
+
+    put_object = head_object
+
+
+@pytest.fixture
+def unanswered(monkeypatch: pytest.MonkeyPatch) -> Unanswered:
+    client = Unanswered()
+
+    async def get(holder: ClientHolder) -> Unanswered:
+        return client
+
+    monkeypatch.setattr(ClientHolder, "get", get)
+    return client
+
+
+def test_an_unanswered_request_is_cut_at_its_deadline_and_retried_within_the_window(
+    unanswered: Unanswered,
+) -> None:
+    requests = requests_for(connect_timeout=0.1, read_timeout=0.2, retry_timeout=1.0)
+
+    async def call() -> tuple[BaseException, float]:
+        clock = asyncio.get_running_loop().time
+        began = clock()
+        with pytest.raises(StorageError) as info:
+            await requests._call("head_object", "b", "run/.metadata", Key="run/.metadata")
+        return info.value, clock() - began
+
+    error, elapsed = asyncio.run(call())
+    assert isinstance(error, StorageError) and error.code == "ResponseTimeout", error
+    assert (error.bucket, error.key, error.operation) == ("b", "run/.metadata", "head_object")
+    assert "s3://b/run/.metadata" in str(error), error
+    assert "the response did not arrive within 0.3 s" in str(error), error
+    assert unanswered.calls >= 3, "retried for the window"
+    # The window, then one more attempt's deadline at most; the rest is slack for a busy machine.
+    assert 1.0 - 0.2 <= elapsed < 1.0 + 0.3 + 2.0, elapsed
+
+
+def test_a_request_body_lengthens_the_deadline_at_min_read_rate(unanswered: Unanswered) -> None:
+    requests = requests_for(
+        connect_timeout=0.1, read_timeout=0.1, min_read_rate=1000, max_attempts=1
+    )
+    call = requests._call("put_object", "b", "k", Key="k", Body=b"x" * 300)
+    with pytest.raises(StorageError) as info:
+        asyncio.run(call)
+    assert info.value.code == "ResponseTimeout" and unanswered.calls == 1
+    assert "within 0.5 s" in str(info.value) and "300 request bytes" in str(info.value)
