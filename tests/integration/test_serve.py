@@ -104,6 +104,21 @@ def test_serve_prints_settings_that_work_elsewhere_and_stops_cleanly(tmp_path: P
         stop(proc, signal.SIGTERM, port)
 
 
+@pytest.mark.parametrize("planted", ["filer.toml", ".seaweedfs/filer.toml", "security.toml"])
+def test_serve_refuses_a_dir_holding_seaweedfs_config(tmp_path: Path, planted: str) -> None:
+    """weed used to run in --dir with HOME there, and so applied such files: this filer.toml
+    would have moved the filer's store (every bucket and key) to another directory."""
+    workdir, elsewhere = tmp_path / "d", tmp_path / "elsewhere"
+    (workdir / planted).parent.mkdir(parents=True)
+    (workdir / planted).write_text(f'[leveldb2]\nenabled = true\ndir = "{elsewhere}"\n')
+    command = [*_SERVE, "--dir", str(workdir), "--port", str(free_port())]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert str(workdir / planted) in done.stderr and "does not apply" in done.stderr
+    assert done.stdout == ""
+    assert not elsewhere.exists() and not (workdir / "weed.log").exists()
+
+
 @pytest.mark.parametrize(
     "entry",
     [_SERVE, [sys.executable, "-m", "s3ckpt.tools.serve"]],
