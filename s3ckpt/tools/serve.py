@@ -1,5 +1,9 @@
 """`serve`: a local S3 server in the foreground, kept in a directory, for a user's first steps
 (``s3ckpt serve``, ``python -m s3ckpt.tools.serve``). Imports no torch.
+
+The directory's S3 keys are made on its first start and printed that once, as ``export`` lines;
+they stay in ``D/credentials`` (mode 0600, the AWS shared-credentials format), and later starts
+print lines that point the AWS SDKs at that file instead, so the secret is shown once only.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any
 from ..config import S3Config
 from ..errors import S3CkptError
 from .localserver import DEFAULT_PORT, LocalEndpoint, SeaweedFS
+from .weedfiles import CREDENTIALS_FILE, CREDENTIALS_PROFILE
 
 __all__ = ["SERVE_ARGUMENTS", "SERVE_HELP", "default_dir", "main", "serve"]
 
@@ -47,8 +52,9 @@ SERVE_ARGUMENTS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
         {
             "type": Path,
             "metavar": "D",
-            "help": "where the data is kept; a later serve of the same D finds its buckets and "
-            "objects (default: $XDG_CACHE_HOME/s3ckpt/serve, else ~/.cache/s3ckpt/serve)",
+            "help": "where the data and its S3 keys (D/credentials) are kept; a later serve of the "
+            "same D finds its buckets and objects (default: $XDG_CACHE_HOME/s3ckpt/serve, else "
+            "~/.cache/s3ckpt/serve)",
         },
     ),
     (
@@ -82,9 +88,10 @@ def serve(
 ) -> None:
     """Run SeaweedFS in the foreground until SIGINT or SIGTERM, then stop it whole and return.
 
-    Once S3 answers (and ``bucket`` exists), prints, flushed, the ``export`` lines to paste, or
-    one JSON object; how to stop it goes to stderr. Installs signal handlers, so only from the
-    main thread. weed exiting on its own raises RuntimeError with its log.
+    Once S3 answers (and ``bucket`` exists), prints, flushed, the lines to paste, or one JSON
+    object: with the keys if this start made them, else pointing at ``workdir/credentials``; how
+    to stop it goes to stderr. Installs signal handlers, so only from the main thread. weed
+    exiting on its own raises RuntimeError with its log.
     """
     where = Path(workdir if workdir is not None else default_dir()).expanduser().resolve()
     server = SeaweedFS(where, s3_port=port)
@@ -93,7 +100,7 @@ def serve(
         endpoint = server.start()
         if bucket is not None:
             _create_bucket(endpoint, bucket)
-        _announce(endpoint, where, bucket, as_json=as_json)
+        _announce(endpoint, where, bucket, made=server.made_credentials, as_json=as_json)
         status = server.wait()
         raise RuntimeError(f"SeaweedFS exited with status {status}; log tail:\n{server.log_tail()}")
     except _Stopped:
@@ -119,16 +126,38 @@ def _create_bucket(endpoint: LocalEndpoint, bucket: str) -> None:
     bridge.run(get_store(config).create_bucket(bucket))
 
 
-def _announce(endpoint: LocalEndpoint, workdir: Path, bucket: str | None, *, as_json: bool) -> None:
-    """The credentials are the local server's throwaway ones: printing them is the point."""
-    settings = endpoint.environment()
-    if as_json:
-        print(json.dumps({**settings, "dir": str(workdir), "bucket": bucket}), flush=True)
+def _announce(
+    endpoint: LocalEndpoint, workdir: Path, bucket: str | None, *, made: bool, as_json: bool
+) -> None:
+    """The keys are printed by the start that made them, nowhere else (a terminal's scrollback,
+    a redirected log): later starts name the file, which the SDKs read (``unset`` clears keys
+    left in the shell, which they would prefer). AWS_REGION comes last in both forms."""
+    credentials = workdir / CREDENTIALS_FILE
+    if made:
+        settings = endpoint.environment()
     else:
-        print("\n".join(f"export {k}={shlex.quote(v)}" for k, v in settings.items()), flush=True)
-    made = f", bucket {bucket}" if bucket is not None else ""
+        settings = {
+            "AWS_ENDPOINT_URL": endpoint.endpoint_url,
+            "AWS_SHARED_CREDENTIALS_FILE": str(credentials),
+            "AWS_PROFILE": CREDENTIALS_PROFILE,
+            "AWS_REGION": endpoint.region,
+        }
+    if as_json:
+        where = {"dir": str(workdir), "bucket": bucket, "credentials": str(credentials)}
+        print(json.dumps({**settings, **where}), flush=True)
+    else:
+        lines = [] if made else ["unset AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY AWS_SESSION_TOKEN"]
+        lines += [f"export {k}={shlex.quote(v)}" for k, v in settings.items()]
+        print("\n".join(lines), flush=True)
+    with_bucket = f", bucket {bucket}" if bucket is not None else ""
+    keys = (
+        f"new keys, printed only this once, kept in {credentials} (mode 0600); a later serve "
+        "of this directory prints lines that read them from there"
+        if made
+        else f"keys in {credentials}"
+    )
     print(
-        f"serving S3 on {endpoint.endpoint_url} (data in {workdir}{made}); "
+        f"serving S3 on {endpoint.endpoint_url} (data in {workdir}{with_bucket}; {keys}); "
         f"stop with Ctrl-C or `kill {os.getpid()}`",
         file=sys.stderr,
         flush=True,

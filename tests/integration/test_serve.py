@@ -3,11 +3,13 @@ and what it prints is used from others, as a user pastes it."""
 
 from __future__ import annotations
 
+import configparser
 import contextlib
 import json
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import uuid
@@ -16,11 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import boto3
+import botocore.session
 import psutil
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from botocore.config import Config
+from botocore.exceptions import ClientError
 
 from s3ckpt import BucketNotFound, S3Writer
 from s3ckpt.cli import main
@@ -29,6 +33,8 @@ from tests.conftest import Cli, S3Env, make_env
 from tests.helpers import raised
 
 _SETTINGS = {"AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION"}
+# What a later start of a --dir prints instead of the keys.
+_POINTERS = {"AWS_ENDPOINT_URL", "AWS_SHARED_CREDENTIALS_FILE", "AWS_PROFILE", "AWS_REGION"}
 _SERVE = [sys.executable, "-m", "s3ckpt", "serve"]
 _STOP_WAIT_S = 30
 
@@ -51,21 +57,37 @@ def serving(
             proc.wait(_STOP_WAIT_S)
 
 
+def printed_lines(proc: subprocess.Popen[str]) -> list[str]:
+    """What serve (without --json) prints when it is ready: AWS_REGION's line comes last."""
+    assert proc.stdout is not None and proc.stderr is not None
+    lines: list[str] = []
+    while not lines or not lines[-1].startswith("export AWS_REGION="):
+        line = proc.stdout.readline()
+        assert line, f"serve exited with {proc.wait()}: {proc.stderr.read()}"
+        lines.append(line.rstrip("\n"))
+    return lines
+
+
 def client(settings: dict[str, Any]) -> Any:
-    """A plain boto3 client configured from nothing but what serve printed."""
-    return boto3.session.Session().client(
+    """A plain boto3 client configured from nothing but what serve printed: the keys, or the
+    credentials file and profile that a later start points at."""
+    session = botocore.session.Session()
+    if "AWS_SHARED_CREDENTIALS_FILE" in settings:
+        session.set_config_variable("credentials_file", settings["AWS_SHARED_CREDENTIALS_FILE"])
+        session.set_config_variable("profile", settings["AWS_PROFILE"])
+    else:
+        session.set_credentials(settings["AWS_ACCESS_KEY_ID"], settings["AWS_SECRET_ACCESS_KEY"])
+    return boto3.session.Session(botocore_session=session).client(
         "s3",
         endpoint_url=settings["AWS_ENDPOINT_URL"],
         region_name=settings["AWS_REGION"],
-        aws_access_key_id=settings["AWS_ACCESS_KEY_ID"],
-        aws_secret_access_key=settings["AWS_SECRET_ACCESS_KEY"],
-        config=Config(s3={"addressing_style": "path"}),
+        config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 1}),
     )
 
 
 def s3ckpt_with(settings: dict[str, Any], *argv: str) -> subprocess.CompletedProcess[str]:
     """The CLI in another process, its environment set as by pasting serve's export lines."""
-    env = os.environ | {k: v for k, v in settings.items() if k in _SETTINGS}
+    env = os.environ | {k: v for k, v in settings.items() if k in _SETTINGS | _POINTERS}
     command = [sys.executable, "-m", "s3ckpt", *argv]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
 
@@ -85,11 +107,12 @@ def stop(proc: subprocess.Popen[str], sig: signal.Signals, port: int) -> None:
 
 
 def test_serve_prints_settings_that_work_elsewhere_and_stops_cleanly(tmp_path: Path) -> None:
-    port, bucket = free_port(), f"t-{uuid.uuid4().hex[:12]}"
-    with serving(tmp_path / "data", port, "--bucket", bucket) as (proc, settings):
+    port, bucket, workdir = free_port(), f"t-{uuid.uuid4().hex[:12]}", tmp_path / "data"
+    with serving(workdir, port, "--bucket", bucket) as (proc, settings):
         assert settings["AWS_ENDPOINT_URL"] == f"http://127.0.0.1:{port}"
-        assert set(settings) == {*_SETTINGS, "dir", "bucket"}
-        assert (settings["dir"], settings["bucket"]) == (str(tmp_path / "data"), bucket)
+        assert set(settings) == {*_SETTINGS, "dir", "bucket", "credentials"}
+        assert (settings["dir"], settings["bucket"]) == (str(workdir), bucket)
+        assert settings["credentials"] == str(workdir / "credentials")
         made = s3ckpt_with(settings, "--json", "mb", f"s3://{bucket}")
         assert made.returncode == 0, made.stderr
         assert json.loads(made.stdout)["created"] is False  # serve made it
@@ -97,11 +120,92 @@ def test_serve_prints_settings_that_work_elsewhere_and_stops_cleanly(tmp_path: P
         stop(proc, signal.SIGINT, port)
     assert proc.stderr is not None and "Ctrl-C" in proc.stderr.read()
 
-    # The same --dir again, stopped by SIGTERM this time: the bucket and object are still there.
-    with serving(tmp_path / "data", port) as (proc, settings):
-        assert settings["bucket"] is None
-        assert client(settings).get_object(Bucket=bucket, Key="run/a")["Body"].read() == b"kept"
+    # The same --dir again, stopped by SIGTERM this time: the bucket and object are still there,
+    # reached through the credentials file that this start points at.
+    with serving(workdir, port) as (proc, later):
+        assert set(later) == {*_POINTERS, "dir", "bucket", "credentials"}
+        assert later["bucket"] is None
+        assert later["AWS_SHARED_CREDENTIALS_FILE"] == str(workdir / "credentials")
+        assert client(later).get_object(Bucket=bucket, Key="run/a")["Body"].read() == b"kept"
+        listed = s3ckpt_with(later, "--json", "mb", f"s3://{bucket}")
+        assert listed.returncode == 0, listed.stderr
         stop(proc, signal.SIGTERM, port)
+
+
+def test_each_data_dir_has_its_own_keys_printed_by_its_first_start_only(tmp_path: Path) -> None:
+    """Random keys per --dir, kept private there and reused; a later start points at the file,
+    and its lines work pasted into a shell that holds other keys."""
+    dir_a, dir_b, port_a, port_b = tmp_path / "a", tmp_path / "b", free_port(), free_port()
+    with serving(dir_a, port_a) as (proc_a, first), serving(dir_b, port_b) as (proc_b, other):
+        keys = (first["AWS_ACCESS_KEY_ID"], first["AWS_SECRET_ACCESS_KEY"])
+        assert keys != (other["AWS_ACCESS_KEY_ID"], other["AWS_SECRET_ACCESS_KEY"])
+        with pytest.raises(ClientError) as refused:  # b's keys at a's server
+            client({**other, "AWS_ENDPOINT_URL": first["AWS_ENDPOINT_URL"]}).list_buckets()
+        assert refused.value.response["Error"]["Code"] == "InvalidAccessKeyId"
+        for path, mode in ((dir_a, 0o700), (dir_a / "data", 0o700), (dir_a / "credentials", 0o600)):
+            assert stat.S_IMODE(path.stat().st_mode) == mode, path
+        stop(proc_a, signal.SIGTERM, port_a)
+        stop(proc_b, signal.SIGTERM, port_b)
+    assert proc_a.stderr is not None and keys[1] not in proc_a.stderr.read()
+    stored = configparser.ConfigParser(interpolation=None)
+    stored.read(dir_a / "credentials")
+    assert tuple(stored["s3ckpt-local"].values()) == keys
+
+    proc = subprocess.Popen(
+        [*_SERVE, "--dir", str(dir_a), "--port", str(port_a)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        lines = printed_lines(proc)
+        assert lines[0] == "unset AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY AWS_SESSION_TOKEN"
+        assert all(keys[1] not in line for line in lines)
+        bucket = f"t-{uuid.uuid4().hex[:12]}"
+        pasted = "\n".join([*lines, f"exec {sys.executable} -m s3ckpt --json mb s3://{bucket}"])
+        stale = os.environ | {"AWS_ACCESS_KEY_ID": "stale", "AWS_SECRET_ACCESS_KEY": "stale-key"}
+        done = subprocess.run(
+            ["bash", "-c", pasted], env=stale, capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["created"] is True
+        stop(proc, signal.SIGINT, port_a)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(_STOP_WAIT_S)
+    assert proc.stderr is not None and keys[1] not in proc.stderr.read()
+    assert keys[1] not in (dir_a / "weed.log").read_text()
+
+
+def test_serve_refuses_keys_that_others_may_know(tmp_path: Path) -> None:
+    """A credentials file another user could read, or have written (a directory they can
+    write to): its keys would open the server to them."""
+    (tmp_path / "credentials").write_text(
+        "[s3ckpt-local]\naws_access_key_id = known\naws_secret_access_key = known-secret-key\n"
+    )
+    (tmp_path / "credentials").chmod(0o644)
+    command = [*_SERVE, "--dir", str(tmp_path), "--port", str(free_port())]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert f"{tmp_path / 'credentials'} is not private to you (mode 0644" in done.stderr
+    assert "known-secret-key" not in done.stderr and done.stdout == ""
+    assert not (tmp_path / "weed.log").exists()
+
+
+@pytest.mark.parametrize("planted", ["filer.toml", ".seaweedfs/filer.toml", "security.toml"])
+def test_serve_refuses_a_dir_holding_seaweedfs_config(tmp_path: Path, planted: str) -> None:
+    """weed used to run in --dir with HOME there, and so applied such files: this filer.toml
+    would have moved the filer's store (every bucket and key) to another directory."""
+    workdir, elsewhere = tmp_path / "d", tmp_path / "elsewhere"
+    (workdir / planted).parent.mkdir(parents=True)
+    (workdir / planted).write_text(f'[leveldb2]\nenabled = true\ndir = "{elsewhere}"\n')
+    command = [*_SERVE, "--dir", str(workdir), "--port", str(free_port())]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert str(workdir / planted) in done.stderr and "does not apply" in done.stderr
+    assert done.stdout == ""
+    assert not elsewhere.exists() and not (workdir / "weed.log").exists()
 
 
 @pytest.mark.parametrize(
@@ -120,6 +224,7 @@ def test_serve_on_a_taken_port_fails_naming_it(tmp_path: Path, entry: list[str])
     assert f"port {port} " in done.stderr and "--port" in done.stderr
     assert done.stdout == ""
     assert not (tmp_path / "weed.log").exists()  # weed was never started
+    assert not (tmp_path / "credentials").exists()  # keys of a failed start are not kept
 
 
 def test_the_local_server_module_does_not_import_torch() -> None:
