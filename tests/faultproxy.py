@@ -603,6 +603,7 @@ class FaultProxy:
         self._lock = threading.Lock()
         self._rules: list[Rule] = []
         self._requests: Counter[str] = Counter()
+        self._served: Counter[str] = Counter()
         self._faults: list[Fault] = []
         self._tls_dir: Path | None = None
         self._port: int | None = None
@@ -727,6 +728,13 @@ class FaultProxy:
         """Requests received per operation, faulted or not (a copy)."""
         with self._lock:
             return Counter(self._requests)
+
+    @property
+    def served(self) -> Counter[str]:
+        """Response body bytes relayed per operation (a copy): what the server served through
+        the proxy, e.g. ``served["GetObject"]``."""
+        with self._lock:
+            return Counter(self._served)
 
     @property
     def faults(self) -> list[Fault]:
@@ -883,8 +891,11 @@ class FaultProxy:
             return False
         flip = isinstance(action, Corrupt) and action.where == "response"
         rate = action.rate if isinstance(action, Trickle) else None
-        await _relay_body(up_reader, writer, answer, _Splice(flip=flip, rate=rate))
+        splice = _Splice(flip=flip, rate=rate)
+        await _relay_body(up_reader, writer, answer, splice)
         await writer.drain()
+        with self._lock:
+            self._served[op] += splice.offset
         reusable = response.keeps_alive(resp_version) and answer.kind != "eof"
         if not reusable:
             upstream.close()

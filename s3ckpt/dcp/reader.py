@@ -11,6 +11,8 @@ otherwise they pass through a bounded buffer and a copy (which also moves them t
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import io
 from collections.abc import Callable
 from typing import Any
@@ -32,12 +34,16 @@ from ..errors import (
     S3CkptError,
     UnsafeCheckpoint,
 )
-from ..format import readplan
+from ..format import readplan, sharing
 from ..format.frames import FrameTable
 from ..format.readplan import Fetch, Target, plan_fetches
 from ..format.record import Checkpoint, Locator
+from ..format.sharing import Span
 from ..format.tensorbytes import memory_of
+from . import group
 from .adapter import AtLocation, to_torch_future
+from .exchange import Pieces
+from .group import gloo
 from .prefix import read_prefix
 from .reads import run_all
 
@@ -58,6 +64,11 @@ class S3Reader(AtLocation, StorageReader):
             torch's ``weights_only`` unpickler (plain containers, numbers, strings, tensors and
             types registered with ``torch.serialization.add_safe_globals`` pass) and anything it
             refuses raises `UnsafeCheckpoint`. Set it only for checkpoints whose writers you trust.
+        share_reads: in a ``dcp.load`` over several ranks, read the record on the coordinator
+            only and fetch every byte range that several ranks need (data-parallel replicas,
+            overlapping resharded reads) on one of them, which passes it on over a gloo group
+            (`s3ckpt.dcp.exchange`): the store serves each byte once. ``False`` (or
+            ``S3CKPT_SHARE_READS=0``) makes every rank read all it needs itself.
 
     To handle a missing or broken checkpoint, call `check` first: it raises s3ckpt's typed
     error before DCP is involved::
@@ -84,11 +95,14 @@ class S3Reader(AtLocation, StorageReader):
         config: S3Config | None = None,
         max_gap: int = 1 * MiB,
         trust_pickles: bool = False,
+        share_reads: bool = True,
     ) -> None:
         StorageReader.__init__(self)
         AtLocation.__init__(self, bucket, prefix, config)
         self.max_gap = max_gap
         self.trust_pickles = trust_pickles
+        self.share_reads = share_reads
+        self._ranks: group.Ranks | None = None
         self.checkpoint: Checkpoint | None = None
         self._chunks: dict[MetadataIndex, tuple[Locator, tuple[int, ...], torch.dtype]] = {}
         self._locators: dict[MetadataIndex, Locator] = {}
@@ -113,8 +127,16 @@ class S3Reader(AtLocation, StorageReader):
     def read_metadata(self) -> Metadata:
         # No **kwargs: DCP would then call this a second time for "rank-local" metadata, which
         # s3ckpt does not have. (torch 2.13's load re-raises a failure here as AssertionError.)
-        self.checkpoint = bridge.run(self._read_checkpoint())
+        self._ranks = self._sharing()
+        if self._ranks is None:
+            self.checkpoint = bridge.run(self._read_checkpoint())
+        else:
+            self.checkpoint = group.read_once(self._store, self.location, self._ranks)
         return self.checkpoint.metadata
+
+    def _sharing(self) -> group.Ranks | None:
+        """The ranks of the running ``dcp.load``, if it shares reads (call from DCP's calls)."""
+        return group.current() if self.share_reads and group.sharing_enabled() else None
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, **kwargs: Any
@@ -143,10 +165,26 @@ class S3Reader(AtLocation, StorageReader):
                     self._chunks[index] = (locators[index], shape, entry.properties.dtype)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        if self._ranks is None:
+            return plan
+        return dataclasses.replace(plan, storage_data=_Member(group.host()))
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        """On the coordinator of a load that runs on several ranks: which rank fetches each byte
+        range that several need, and who receives it from that rank (`format.sharing`)."""
+        ranks = self._ranks
+        hosts = [p.storage_data.host for p in plans if isinstance(p.storage_data, _Member)]
+        if ranks is None or len(hosts) != len(plans) or len(plans) != ranks.size:
+            return [dataclasses.replace(p, storage_data=None) for p in plans]
+        wanted = [[span for item in p.items for span in self._spans(item)] for p in plans]
+        frames = {self.location.key(key): t.frame_size for key, t in self._frames.items()}
+        shares = sharing.assign(wanted, hosts, frames)
+        if shares is None:
+            return [dataclasses.replace(p, storage_data=None) for p in plans]
+        return [
+            dataclasses.replace(p, storage_data=share)
+            for p, share in zip(plans, shares, strict=True)
+        ]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         remaining: dict[int, int] = {}
@@ -157,34 +195,72 @@ class S3Reader(AtLocation, StorageReader):
             targets.extend(item_targets)
             remaining[number] = len(item_targets)
             finishers[number] = finish
+
+        def done(item: int) -> None:
+            remaining[item] -= 1
+            if remaining[item] == 0:
+                finishers[item]()
+
+        share = plan.storage_data if isinstance(plan.storage_data, sharing.Share) else None
+        if share is None:
+            pieces = Pieces(targets, done)
+        elif self._ranks is None:  # the other ranks would wait for this one's transfers
+            raise CheckpointError(
+                f"{self.checkpoint_id}: the coordinator shares this load's reads, this rank does "
+                "not: give every rank the same share_reads and S3CKPT_SHARE_READS",
+                url=self.checkpoint_id,
+            )
+        else:
+            pieces = Pieces(targets, done, share, gloo(self._ranks), self._ranks.members)
         frames = {self.location.key(key): t.frame_size for key, t in self._frames.items()}
         fetches = plan_fetches(
-            targets, max_gap=self.max_gap, max_size=self.config.part_size, align=frames
+            pieces.fetch_targets, max_gap=self.max_gap, max_size=self.config.part_size, align=frames
         )
-        return to_torch_future(bridge.submit(self._read_all(fetches, remaining, finishers)))
-
-    async def _read_all(
-        self,
-        fetches: list[Fetch],
-        remaining: dict[int, int],
-        finishers: dict[int, Callable[[], None]],
-    ) -> None:
         for number, count in remaining.items():
             if count == 0:
                 finishers[number]()
+        return to_torch_future(bridge.submit(self._read_all(fetches, pieces, share is not None)))
 
-        def fetched(fetch: Fetch) -> None:
-            for target in fetch.targets:
-                remaining[target.item] -= 1
-                if remaining[target.item] == 0:
-                    finishers[target.item]()
+    async def _read_all(self, fetches: list[Fetch], pieces: Pieces, shared: bool) -> None:
+        """The fetches and, in a shared load, the transfers; a failure on any rank fails every
+        rank's load, once all have sent and received what they promised."""
+        loop = asyncio.get_running_loop()
+        pieces.planned(fetches)
+        receiving = None
+        if shared:
 
+            def complete(call: Callable[[], None]) -> None:
+                loop.call_soon_threadsafe(call)
+
+            receiving = loop.run_in_executor(None, pieces.receive_all, complete)
+        failure: BaseException | None = None
         tables = {self.location.key(k): t for k, t in self._frames.items()}
         try:
             await self._check_sizes(fetches)
-            await run_all(self._store, self.location.bucket, fetches, tables, fetched)
+            await run_all(self._store, self.location.bucket, fetches, tables, pieces.fetched)
         except ObjectNotFound as e:
-            raise await self._replaced(e) from e
+            failure = await self._replaced(e)
+            failure.__cause__ = None if failure is e else e
+        except BaseException as e:
+            failure = e
+        if receiving is not None:
+            if failure is not None:
+                pieces.send_the_rest()
+            try:
+                await receiving
+                await pieces.placed()
+            except BaseException as e:
+                failure = failure or e
+            if await loop.run_in_executor(None, pieces.finish, failure is not None):
+                failure = failure or CheckpointError(
+                    f"{self.checkpoint_id}: another rank's share of the load failed "
+                    "(its own error says why)",
+                    url=self.checkpoint_id,
+                )
+        else:
+            await pieces.placed()
+        if failure is not None:
+            raise failure
 
     async def _check_sizes(self, fetches: list[Fetch]) -> None:
         """HEAD the objects of fetches that buffer more than ``part_size``, to see that they are
@@ -206,6 +282,24 @@ class S3Reader(AtLocation, StorageReader):
 
     async def _read_checkpoint(self) -> Checkpoint:
         return (await read_prefix(self._store, self.location)).require()
+
+    def _spans(self, item: ReadItem) -> list[Span]:
+        """The byte ranges of one read item, as fine as any rank's targets cut them (pieces of
+        at most ``part_size``): what the coordinator of a shared load plans with."""
+        if item.type == LoadItemType.BYTE_IO:
+            locator = self._locators[item.storage_index]
+            key = self.location.key(locator.key)
+            return [Span(key, locator.offset, locator.offset + locator.length)]
+        locator, shape, dtype = self._chunks[item.storage_index]
+        key, base = self.location.key(locator.key), locator.offset
+        offsets, lengths = tuple(item.storage_offsets), tuple(item.lengths)
+        spans = []
+        for rect in readplan.split_rect(
+            shape, offsets, lengths, dtype.itemsize, self.config.part_size
+        ):
+            start, end = readplan.covering_range(shape, *rect, dtype.itemsize)
+            spans.append(Span(key, base + start, base + end))
+        return spans
 
     def _targets(
         self, number: int, item: ReadItem, planner: LoadPlanner
@@ -343,3 +437,10 @@ class _Placer:
     def __call__(self, data: memoryview) -> None:
         flat = torch.frombuffer(data, dtype=self.dtype)
         self.dest.copy_(flat.as_strided(self.lengths, self.strides, 0))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Member:
+    """What a rank tells the coordinator in its local plan: its host."""
+
+    host: str

@@ -127,6 +127,7 @@ def test_passthrough_streams_every_operation_and_counts_it(s3: S3Env, bucket: st
             DeleteObjects=1,
         )
         assert proxy.faults == []
+        assert proxy.served["GetObject"] == len(data)  # the bodies it relayed
     assert s3.client.list_objects_v2(Bucket=bucket).get("KeyCount") == 0
 
 

@@ -25,12 +25,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import load
 
 from ...config import S3Config
+from ...dcp.group import Ranks, read_once
 from ...dcp.incremental import Pins
 from ...dcp.prefix import read_prefix
 from ...dcp.reader import S3Reader
@@ -138,6 +140,7 @@ class _Pinned(S3Reader):
         self._pinned = checkpoint
 
     def read_metadata(self) -> Metadata:
+        self._ranks = self._sharing()
         self.checkpoint = self._pinned
         return self._pinned.metadata
 
@@ -202,6 +205,17 @@ def _pick(run: Run, step: int | None, skipped: dict[int, str]) -> int:
     return max(left, default=-1)
 
 
+def _read(run: Run, location: Location) -> Checkpoint:
+    """The record at ``location``: read by the coordinator and broadcast when there are several
+    ranks (the store serves it once), else read here."""
+    agreement = run.agreement
+    if agreement.group is None:
+        return bridge.run(read_prefix(run.store, location, below=False)).require()
+    members = tuple(dist.get_process_group_ranks(agreement.group))
+    ranks = Ranks(agreement.group, agreement.rank, 0, members)
+    return read_once(run.store, location, ranks, below=False)
+
+
 def _attempt(
     run: Run,
     location: Location,
@@ -215,7 +229,7 @@ def _attempt(
     error: S3CkptError | None = None
     checkpoint: Checkpoint | None = None
     try:
-        checkpoint = bridge.run(read_prefix(store, location, below=False)).require()
+        checkpoint = _read(run, location)
         _ = checkpoint.metadata  # building DCP's types is where a hostile record fails
     except S3CkptError as e:
         error = e
