@@ -29,7 +29,15 @@ from s3ckpt.config import MiB, S3Config
 from s3ckpt.format import layout
 from s3ckpt.tools.catalog import gc
 from s3ckpt.tools.localserver import SeaweedFS
-from tests.faultproxy import Delay, FaultProxy, LateApply, ResetAfter, Status, Trickle
+from tests.faultproxy import (
+    Delay,
+    FaultProxy,
+    LateApply,
+    ResetAfter,
+    Status,
+    Trickle,
+    TrickleHead,
+)
 
 from .bench_faults import _backdoor, _differing, _uploads, leftovers, make_state
 from .common import Endpoint
@@ -53,7 +61,8 @@ def _timed(call: Callable[[], Any]) -> Outcome:
     try:
         call()
     except (Exception, CheckpointException) as e:  # DCP's wrapper is a BaseException
-        return False, time.perf_counter() - started, f"{type(e).__name__}: {e}"[:300]
+        error = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
+        return False, time.perf_counter() - started, f"{type(error).__name__}: {error}"[:300]
     return True, time.perf_counter() - started, None
 
 
@@ -355,6 +364,24 @@ def run_scenarios(
             _row(
                 "trickle",
                 "one ranged GET's body relayed at 4 KiB/s",
+                None,
+                load=load,
+                **_aftermath(client, direct, bucket, p, one),
+            )
+        )
+
+        print("scenario: a response head that never ends", flush=True)
+        p = prefix("trickled-head")
+        _save(direct, bucket, p, one)
+        proxy.add_rule(TrickleHead(4), op="GetObject", key=f"{p}/.metadata", times=1)
+        quick = server.config(endpoint_url=proxy.endpoint_url, read_timeout=5.0)
+        load = _timed(lambda: _loads_as(quick, bucket, p, one))
+        proxy.clear_rules()
+        rows.append(
+            _row(
+                "trickled response head",
+                "the record GET's status line and headers relayed at 4 B/s (read_timeout=5): "
+                "cut at connect_timeout + read_timeout, retried",
                 None,
                 load=load,
                 **_aftermath(client, direct, bucket, p, one),

@@ -238,7 +238,7 @@ async def _withdraw(
         else:
             await store.put(location.bucket, location.metadata_key, previous)
     except S3CkptError as e:
-        log.warning("%s: a record over missing objects could not be withdrawn: %s", location, e)
+        log.warning("%s: a record over missing objects could not be withdrawn: %s", location.url, e)
 
 
 async def _put_record(
