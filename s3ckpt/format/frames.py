@@ -6,6 +6,9 @@ groups bytes of equal significance of 2-, 4- or 8-byte elements), so a ranged or
 fetches and decodes only the frames it needs. The commit record holds each frame's stored length,
 codec and the CRC32C of its stored bytes, so any read, however partial, can be checked. A frame
 table is small (9 bytes a frame: about 2 KiB per GiB with 4 MiB frames) and travels as base64.
+
+Decoding trusts the record, not the frame: a frame decodes into the memory waiting for its raw
+bytes, never more than the record says it holds (`decode_into`).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import base64
 import struct
 import threading
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -30,9 +33,9 @@ __all__ = [
     "ZSTD",
     "FrameTable",
     "decode",
+    "decode_into",
     "encode",
     "shuffle",
-    "unshuffle",
 ]
 
 RAW = 0  # stored as it is
@@ -40,6 +43,7 @@ ZSTD = 1  # zstd; with a shuffle, the element size is in the high nibble (0x21, 
 _CODECS = {RAW, ZSTD, 0x21, 0x41, 0x81}
 _ENTRY = struct.Struct("<IIB")  # stored length, CRC32C, codec
 _MAX_FRAME = 2**32 - 1  # the most bytes an entry's stored length can say
+_CHUNK = 1 << 20  # decoded bytes held outside the destination, per frame being streamed
 _local = threading.local()
 
 
@@ -55,27 +59,113 @@ def encode(raw: memoryview, level: int, itemsize: int | None) -> tuple[bytes | m
     return (raw, RAW) if len(stored) >= len(raw) else (stored, codec)
 
 
-def decode(
-    stored: bytes | memoryview, codec: int, raw_size: int, out: memoryview | None = None
-) -> bytes | memoryview:
-    """A frame's raw bytes from its stored bytes, in ``out`` when given (it saves a copy);
-    raises ValueError if they do not decode."""
-    if codec == RAW:
-        data: bytes | memoryview = stored
-    else:
-        try:
-            data = _decompressor().decompress(stored, max_output_size=raw_size)
-        except Exception as e:  # zstandard.ZstdError
-            raise ValueError(f"frame does not decompress: {e}") from None
-    if len(data) != raw_size:
-        raise ValueError(f"frame decoded to {len(data)} bytes, expected {raw_size}")
-    itemsize = codec >> 4
-    if itemsize:
-        return unshuffle(data, itemsize, out=out)
-    if out is None:
-        return data
-    out[:] = data
+def decode(stored: bytes | memoryview, codec: int, raw_size: int) -> memoryview:
+    """A frame's raw bytes, in a new buffer of ``raw_size`` bytes (see `decode_into`)."""
+    out = memoryview(bytearray(raw_size))
+    decode_into(stored, codec, raw_size, [(0, out)])
     return out
+
+
+def decode_into(
+    stored: bytes | memoryview, codec: int, raw_size: int, parts: Sequence[tuple[int, memoryview]]
+) -> None:
+    """Decode a frame into the memory that wants its bytes: ``(offset, view)`` receives raw bytes
+    ``[offset, offset + len(view))`` of the frame; bytes that no view wants are dropped.
+
+    ``raw_size`` is the record's size for the frame and the hard limit: the frame's zstd header
+    must declare that size (or none), and a frame that decodes to more or fewer bytes raises
+    ValueError, as do bytes that do not decode at all. Nothing is allocated by the header's claim.
+    Memory: a frame that one view wants whole is decoded straight into it (zstd's single pass).
+    Any other (a shuffled frame, or one shared by several views) streams through this thread's
+    `_CHUNK` buffer and a zstd window of at most the frame's raw size (and 128 MiB, zstd's
+    default limit), freed once the frame is done.
+    """
+    if codec == RAW:
+        if len(stored) != raw_size:
+            raise ValueError(f"frame has {len(stored)} bytes, expected {raw_size}")
+        _place(memoryview(stored), 0, parts)
+        return
+    import zstandard
+
+    itemsize = codec >> 4
+    if itemsize and raw_size % itemsize:
+        raise ValueError(f"{raw_size} bytes are not a whole number of {itemsize}-byte elements")
+    try:
+        declared = zstandard.frame_content_size(stored)  # -1: the header does not say
+        if declared not in (raw_size, -1):
+            raise ValueError(f"frame header declares {declared} bytes, expected {raw_size}")
+        if declared == raw_size and not itemsize and _whole(parts, raw_size):
+            # The single pass: zstd decodes a whole frame into a large enough output at once.
+            reader = _decompressor().stream_reader(stored, read_across_frames=True)
+            decoded = _fill(reader, parts[0][1])
+        else:
+            # A fresh context: the window a streamed frame makes zstd allocate goes with it.
+            reader = zstandard.ZstdDecompressor().stream_reader(stored, read_across_frames=True)
+            decoded = _stream(reader, raw_size, itemsize, parts)
+        if decoded == raw_size and reader.read(1):
+            decoded += 1
+    except zstandard.ZstdError as e:
+        raise ValueError(f"frame does not decompress: {e}") from None
+    if decoded > raw_size:
+        raise ValueError(f"frame decodes to more than the {raw_size} bytes expected")
+    if decoded < raw_size:
+        raise ValueError(f"frame decodes to {decoded} bytes, {raw_size} expected")
+
+
+def _whole(parts: Sequence[tuple[int, memoryview]], raw_size: int) -> bool:
+    return len(parts) == 1 and parts[0][0] == 0 and len(parts[0][1]) == raw_size
+
+
+def _fill(reader: Any, view: memoryview) -> int:
+    """Decode into ``view`` until it is full or the frame ends; the bytes decoded."""
+    filled = 0
+    while filled < len(view) and (count := reader.readinto(view[filled:])):
+        filled += count
+    return filled
+
+
+def _stream(
+    reader: Any, raw_size: int, itemsize: int, parts: Sequence[tuple[int, memoryview]]
+) -> int:
+    """Decode a chunk at a time and place each; the bytes decoded (stops past ``raw_size``)."""
+    buffer, at = _chunk(), 0
+    while at <= raw_size and (count := _fill(reader, buffer)):
+        if at + count <= raw_size:
+            if itemsize:
+                _place_planes(buffer[:count], at, raw_size // itemsize, itemsize, parts)
+            else:
+                _place(buffer[:count], at, parts)
+        at += count
+    return at
+
+
+def _place(data: memoryview, at: int, parts: Sequence[tuple[int, memoryview]]) -> None:
+    """Raw bytes ``[at, at + len(data))`` of a frame into the parts that want them."""
+    for start, view in parts:
+        lo, hi = max(start, at), min(start + len(view), at + len(data))
+        if lo < hi:
+            view[lo - start : hi - start] = data[lo - at : hi - at]
+
+
+def _place_planes(
+    data: memoryview, at: int, count: int, itemsize: int, parts: Sequence[tuple[int, memoryview]]
+) -> None:
+    """Stored bytes ``[at, at + len(data))`` of a shuffled frame of ``count`` elements into the
+    parts: stored byte ``plane * count + i`` is byte ``plane`` of element ``i``, raw byte
+    ``i * itemsize + plane``. One strided copy per plane and part."""
+    source, done = _bytes_of(data), 0
+    while done < len(data):
+        plane, first = divmod(at + done, count)
+        run = min(count - first, len(data) - done)
+        for start, view in parts:
+            # The elements whose byte ``plane`` lies in the part's raw bytes.
+            lo = max(first, -(-(start - plane) // itemsize))
+            hi = min(first + run, -(-(start + len(view) - plane) // itemsize))
+            if lo < hi:
+                into = lo * itemsize + plane - start
+                target = _bytes_of(view)[into : into + (hi - lo - 1) * itemsize + 1 : itemsize]
+                target.copy_(source[done + lo - first : done + hi - first])
+        done += run
 
 
 # One strided copy per byte plane: torch's copy of a transposed (n, itemsize) byte matrix walks
@@ -93,18 +183,12 @@ def shuffle(raw: bytes | memoryview, itemsize: int, out: memoryview | None = Non
     return out
 
 
-def unshuffle(
-    data: bytes | bytearray | memoryview, itemsize: int, out: memoryview | None = None
-) -> memoryview:
-    """The elements back from their byte planes."""
-    import torch
-
-    out = memoryview(bytearray(len(data))) if out is None else out
-    planes = _bytes_of(data).view(itemsize, -1)
-    elements = torch.frombuffer(out, dtype=torch.uint8).view(-1, itemsize)
-    for plane in range(itemsize):
-        elements[:, plane].copy_(planes[plane])
-    return out
+def _chunk() -> memoryview:
+    """This thread's `_CHUNK` buffer for streamed frames: bounded, so kept."""
+    buffer = getattr(_local, "chunk", None)
+    if buffer is None:
+        buffer = _local.chunk = memoryview(bytearray(_CHUNK))
+    return buffer
 
 
 def _scratch(size: int) -> memoryview:
@@ -116,7 +200,7 @@ def _scratch(size: int) -> memoryview:
 
 
 def _bytes_of(data: bytes | bytearray | memoryview) -> torch.Tensor:
-    """A uint8 tensor over ``data`` without a copy; only ever read from."""
+    """A uint8 tensor over ``data`` without a copy, writable where ``data`` is."""
     import torch
 
     with warnings.catch_warnings():
