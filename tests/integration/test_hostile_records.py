@@ -13,6 +13,7 @@ import json
 import resource
 import struct
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -334,3 +335,25 @@ def test_a_frame_header_that_claims_more_than_the_record_allocates_nothing(
     assert f"s3://{bucket}/ck/" in peak.error and "/zeros-0 frame 0 (stored bytes 0-" in peak.error
     assert "frame header declares 536870912 bytes, expected 1048576" in peak.error
     assert peak.growth < 64 * MiB, peak
+
+
+def test_export_holds_a_batch_of_tensors_not_the_state(
+    s3: Any, bucket: str, tmp_path: Path
+) -> None:
+    """Four 256 MiB tensors, 32 KB stored, exported with 32 MiB of tensors at a time: the peak
+    stays under one tensor (it was all four and a decoded frame: 1.25 GiB)."""
+    save(s3, bucket)
+    _plant_zeros(s3, bucket, [256 * MiB] * 4)
+    out = tmp_path / "out.pt"
+    argv = ["--part-size", "8", "--max-concurrency", "4", "export", f"s3://{bucket}/ck", str(out)]
+    code = f"""
+os.environ["AWS_ACCESS_KEY_ID"] = config.access_key_id
+os.environ["AWS_SECRET_ACCESS_KEY"] = config.secret_access_key
+assert main(["--endpoint-url", config.endpoint_url, *{argv}]) == 0
+"""
+    setup = "import os\nfrom s3ckpt.cli import main\nfrom s3ckpt.tools import catalog, state"
+    peak = peak_growth(s3.config(), code, setup)  # (state imports torch and DCP)
+    assert peak.error is None
+    assert peak.growth < 256 * MiB, peak
+    loaded = torch.load(out, mmap=True, weights_only=True)
+    assert sorted(loaded) == ["w0", "w1", "w2", "w3"] and loaded["w3"].shape == (64 * MiB,)
