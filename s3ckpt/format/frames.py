@@ -14,12 +14,14 @@ bytes, never more than the record says it holds (`decode_into`).
 from __future__ import annotations
 
 import base64
+import itertools
 import struct
+import sys
 import threading
 import warnings
+from array import array
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..checksums import Checksums
@@ -233,30 +235,34 @@ def _decompressor() -> Any:
     return _local.decompressor
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class FrameTable:
-    """How one object is framed: raw size, and each stored frame's size, codec and checksum."""
+    """How one object is framed: raw size, and each stored frame's size, codec and checksum.
+
+    Kept packed (4 + 4 + 1 bytes a frame, and 8 for its offset), not as Python ints (about 100
+    bytes a frame): a table of millions of frames is what a hostile record would amplify."""
 
     frame_size: int
-    sizes: tuple[int, ...]
-    crcs: tuple[int, ...]
-    codecs: tuple[int, ...]
+    sizes: Sequence[int]
+    crcs: Sequence[int]
+    codecs: Sequence[int]
     raw_size: int
+    starts: Sequence[int] = field(init=False, repr=False, compare=False)
+    """Stored offset of each frame, and the object's stored size at the end."""
+
+    def __post_init__(self) -> None:
+        sizes, crcs = _packed("I", self.sizes), _packed("I", self.crcs)
+        object.__setattr__(self, "sizes", sizes)
+        object.__setattr__(self, "crcs", crcs)
+        object.__setattr__(self, "codecs", bytes(self.codecs))
+        object.__setattr__(self, "starts", array("Q", itertools.accumulate(sizes, initial=0)))
 
     @classmethod
     def raw(cls, frame_size: int, crcs: Iterable[int], size: int) -> FrameTable:
         """The table of an object stored without compression."""
         crcs = tuple(crcs)
-        sizes = tuple(min(frame_size, size - i * frame_size) for i in range(len(crcs)))
-        return cls(frame_size, sizes, crcs, (RAW,) * len(crcs), size)
-
-    @cached_property
-    def starts(self) -> tuple[int, ...]:
-        """Stored offset of each frame, and the object's stored size at the end."""
-        offsets = [0]
-        for size in self.sizes:
-            offsets.append(offsets[-1] + size)
-        return tuple(offsets)
+        sizes = (min(frame_size, size - i * frame_size) for i in range(len(crcs)))
+        return cls(frame_size, array("I", sizes), crcs, bytes(len(crcs)), size)
 
     @property
     def size(self) -> int:
@@ -303,22 +309,26 @@ class FrameTable:
     @classmethod
     def from_json(cls, value: Any, size: int) -> FrameTable:
         """Parse and check a table; raises ValueError saying what is wrong."""
+        return cls.from_parsed(cls.parse_json(value), size)
+
+    @staticmethod
+    def parse_json(value: Any) -> tuple[int, bytes, int | None]:
+        """A table's frame size, packed entries and raw size (if it says), checked so far as
+        they can be without the object's size; raises ValueError saying what is wrong."""
         if not isinstance(value, dict) or not {"frame_size", "table"} <= set(value) <= {
             "frame_size",
             "table",
             "raw_size",
         }:
             raise ValueError("a frame table has 'frame_size', 'table' and maybe 'raw_size'")
-        frame_size, table = value["frame_size"], value["table"]
-        raw_size = value.get("raw_size", size)
+        frame_size, table, raw_size = value["frame_size"], value["table"], value.get("raw_size")
         for name, number in (("frame_size", frame_size), ("raw_size", raw_size)):
-            if not isinstance(number, int) or isinstance(number, bool) or number < 0:
+            if number is not None and (
+                not isinstance(number, int) or isinstance(number, bool) or number < 0
+            ):
                 raise ValueError(f"{name} must be a non-negative integer, got {number!r}")
         if frame_size == 0:
             raise ValueError("frame_size must be positive")
-        if min(frame_size, raw_size) > _MAX_FRAME:
-            # Frames are decoded whole: a hostile size would be one huge allocation.
-            raise ValueError(f"frame_size {frame_size}: a frame holds at most {_MAX_FRAME} bytes")
         if not isinstance(table, str):
             raise ValueError("table must be a base64 string")
         try:
@@ -327,21 +337,47 @@ class FrameTable:
             raise ValueError(f"table is not base64: {e}") from None
         if len(packed) % _ENTRY.size:
             raise ValueError(f"table has {len(packed)} bytes, not a multiple of {_ENTRY.size}")
-        entries = list(_ENTRY.iter_unpack(packed))
-        sizes = tuple(e[0] for e in entries)
-        codecs = tuple(e[2] for e in entries)
-        parsed = cls(frame_size, sizes, tuple(e[1] for e in entries), codecs, raw_size)
-        if parsed.size != size:
-            raise ValueError(f"frames add up to {parsed.size} bytes, the object has {size}")
-        if len(entries) != -(-raw_size // frame_size):
-            raise ValueError(f"{len(entries)} frames cannot hold {raw_size} raw bytes")
+        return frame_size, packed, raw_size
+
+    @classmethod
+    def from_parsed(cls, parsed: tuple[int, bytes, int | None], size: int) -> FrameTable:
+        """The table of an object of ``size`` stored bytes from what `parse_json` returned."""
+        frame_size, packed, raw_size = parsed
+        raw_size = size if raw_size is None else raw_size
+        if min(frame_size, raw_size) > _MAX_FRAME:
+            # A raw size beyond what an entry's 32 bits say of a stored one: no writer makes it.
+            raise ValueError(f"frame_size {frame_size}: a frame holds at most {_MAX_FRAME} bytes")
+        # The entries' fields apart, a byte at a time (C speed): no tuple per entry.
+        sizes, crcs = bytearray(len(packed) // 9 * 4), bytearray(len(packed) // 9 * 4)
+        for byte in range(4):
+            sizes[byte::4] = packed[byte::9]
+            crcs[byte::4] = packed[4 + byte :: 9]
+        codecs = packed[8::9]
+        parsed_table = cls(frame_size, _from_le(sizes), _from_le(crcs), codecs, raw_size)
+        if parsed_table.size != size:
+            raise ValueError(f"frames add up to {parsed_table.size} bytes, the object has {size}")
+        if len(codecs) != -(-raw_size // frame_size):
+            raise ValueError(f"{len(codecs)} frames cannot hold {raw_size} raw bytes")
         if not set(codecs) <= _CODECS:
             raise ValueError("unknown frame codec (written by a newer s3ckpt?)")
-        for i, (stored, codec) in enumerate(zip(sizes, codecs, strict=True)):
+        for i, (stored, codec) in enumerate(zip(parsed_table.sizes, codecs, strict=True)):
             # `encode` stores a frame raw unless compressing makes it smaller; zstd holds at most
             # 128 KiB in a block of 4 bytes, and a frame that claims more raw bytes would have a
             # reader allocate more than any stored frame can deliver.
-            raw = parsed.raw_length(i)
+            raw = parsed_table.raw_length(i)
             if stored == 0 or (stored != raw if codec == RAW else not stored < raw <= stored << 15):
                 raise ValueError(f"frame {i}: {stored} stored bytes do not fit its codec")
-        return parsed
+        return parsed_table
+
+
+def _packed(code: str, values: Sequence[int]) -> array[int]:
+    return values if isinstance(values, array) and values.typecode == code else array(code, values)
+
+
+def _from_le(data: bytearray) -> array[int]:
+    """Little-endian 32-bit unsigned ints, as an array (of "I": 4 bytes wherever CPython runs)."""
+    values = array("I")
+    values.frombytes(data)
+    if sys.byteorder == "big":
+        values.byteswap()
+    return values

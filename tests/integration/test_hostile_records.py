@@ -27,6 +27,7 @@ from s3ckpt.config import MiB
 from s3ckpt.engine.store import get_store
 from s3ckpt.errors import MetadataError, StorageError
 from s3ckpt.format.frames import RAW, ZSTD
+from s3ckpt.format.record.decoder import MEMORY_BOUND
 from s3ckpt.tools import catalog
 from s3ckpt.tools.verify import verify
 from tests.helpers import peak_growth, raised
@@ -357,3 +358,62 @@ assert main(["--endpoint-url", config.endpoint_url, *{argv}]) == 0
     assert peak.growth < 256 * MiB, peak
     loaded = torch.load(out, mmap=True, weights_only=True)
     assert sorted(loaded) == ["w0", "w1", "w2", "w3"] and loaded["w3"].shape == (64 * MiB,)
+
+
+_CLI = """
+os.environ["AWS_ACCESS_KEY_ID"] = config.access_key_id
+os.environ["AWS_SECRET_ACCESS_KEY"] = config.secret_access_key
+exits = main(["--endpoint-url", config.endpoint_url, *{argv}])
+assert exits == {exits}, exits
+"""
+_CLI_SETUP = "import os\nfrom s3ckpt.cli import main"
+
+
+def _decoded_in_a_child(s3: Any, bucket: str, body: bytes, command: str, exits: int) -> int:
+    """The peak RSS growth of ``s3ckpt COMMAND s3://bucket/ck`` over the record ``body``."""
+    s3.client.put_object(Bucket=bucket, Key="ck/.metadata", Body=body)
+    argv = [command, f"s3://{bucket}/ck"]
+    peak = peak_growth(s3.config(), _CLI.format(argv=argv, exits=exits), _CLI_SETUP)
+    assert peak.error is None, peak
+    return peak.growth
+
+
+@pytest.mark.parametrize("command", ["info", "ls"])
+def test_a_dense_record_costs_a_bounded_multiple_of_its_size(
+    s3: Any, bucket: str, command: str
+) -> None:
+    """40 MiB of valid JSON in planner_data, three bytes a list (``[[],[],...]``): refused,
+    at a few times its size (it cost 2 GiB, 50 times, in ``json.loads`` and a copy)."""
+    save(s3, bucket)
+    edited = record(s3, bucket)
+    edited["planner_data"]["x"] = [[]] * (40 * MiB // 3)
+    body = json.dumps(edited, separators=(",", ":")).encode()
+    growth = _decoded_in_a_child(s3, bucket, body, command, exits=1 if command == "info" else 0)
+    assert growth < MEMORY_BOUND * len(body), growth
+
+
+def test_a_valid_record_of_the_densest_kind_costs_under_its_bound(s3: Any, bucket: str) -> None:
+    """A tensor of 300,000 one-element chunks (16 MiB of record, s3ckpt's tiniest chunk, the
+    costliest valid content found): ``info`` reads it within `MEMORY_BOUND` times its size
+    (it took 13 times, the whole JSON tree and the model beside it)."""
+    save(s3, bucket)
+    edited = record(s3, bucket)
+    key = the_object(edited)
+    count = 300_000
+    edited["state_dict"] = {
+        "t": {
+            **edited["state_dict"]["w"],
+            "size": [count],
+            "chunks": [
+                {
+                    "offsets": [i],
+                    "sizes": [1],
+                    "locator": {"key": key, "offset": 4 * (i % 64), "length": 4},
+                }
+                for i in range(count)
+            ],
+        }
+    }
+    body = json.dumps(edited, separators=(",", ":")).encode()
+    growth = _decoded_in_a_child(s3, bucket, body, "info", exits=0)
+    assert growth < MEMORY_BOUND * len(body), (growth, len(body))

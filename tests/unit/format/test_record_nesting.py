@@ -3,6 +3,7 @@ whose paths cannot all hold. No server."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -16,7 +17,9 @@ URL = "s3://b/ck/.metadata"
 
 def _checkpoint(paths: dict[str, Any]) -> Checkpoint:
     entries = {fqn: BytesEntry(Locator("o", 0, 1)) for fqn in paths}
-    planner_data = {fqn: tuple(path) for fqn, path in paths.items() if path is not None}
+    planner_data = {
+        fqn: {"__tuple__": list(path)} for fqn, path in paths.items() if path is not None
+    }
     return Checkpoint(
         save_id="s",
         created=0.0,
@@ -24,7 +27,7 @@ def _checkpoint(paths: dict[str, Any]) -> Checkpoint:
         extra={},
         frames={},
         entries=entries,
-        planner_data=planner_data,
+        planner_source=json.dumps(planner_data),
         storage_meta=None,
         dcp_version=None,
         url=URL,
