@@ -453,9 +453,9 @@ def _u8(data: bytes | bytearray | memoryview) -> torch.Tensor:
 
 def breakdown(tensors: Tensors, frame_size: int, level: int, repeat: int) -> dict[str, float]:
     """Where the shuffled codec's time goes, one thread, MB/s of raw bytes: s3ckpt's byte-plane
-    shuffle and unshuffle (``frames.shuffle``), a plain NumPy transpose (for comparison), zstd on
-    the shuffled bytes, its decompression, and CRC32C. Tells whether zstd or the shuffle bounds
-    the codec."""
+    shuffle (``frames.shuffle``), a plain NumPy transpose (for comparison), zstd on the shuffled
+    bytes, its decompression alone and with the planes put back (``frames.decode``), and CRC32C.
+    Tells whether zstd or the shuffle bounds the codec."""
     import numpy as np
     import zstandard
 
@@ -479,19 +479,21 @@ def breakdown(tensors: Tensors, frame_size: int, level: int, repeat: int) -> dic
     raw_total = sum(len(raw) for raw, _ in items)
     stages: dict[str, Callable[[], Any]] = {
         "shuffle (s3ckpt)": lambda: [s3ckpt_shuffle(f) for f in items],
-        "unshuffle (s3ckpt)": lambda: [frames.unshuffle(s, k) for s, k in planes],
         "shuffle_numpy": lambda: [numpy_shuffle(f) for f in items],
         "zstd_compress_shuffled": lambda: [compressor.compress(s) for s in shuffled],
         "zstd_decompress": lambda: [decompressor.decompress(c) for c in compressed],
+        "decode_shuffled (s3ckpt)": lambda: [
+            frames.decode(compressed[i], k << 4 | frames.ZSTD, size) for i, k, size in planes
+        ],
         "crc32c": lambda: [checksum(raw) for raw, _ in items],
     }
     shuffled = [s3ckpt_shuffle(f) for f in items]
+    compressed = [compressor.compress(s) for s in shuffled]
     planes = [
-        (s, k)
-        for s, (raw, k) in zip(shuffled, items, strict=True)
+        (i, k, len(raw))
+        for i, (s, (raw, k)) in enumerate(zip(shuffled, items, strict=True))
         if k is not None and s is not raw
     ]
-    compressed = [compressor.compress(s) for s in shuffled]
     return {
         name: raw_total / MB / statistics.median(_timed(run)[0] for _ in range(repeat))
         for name, run in stages.items()

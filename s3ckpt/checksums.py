@@ -7,6 +7,7 @@ the wire, reads verified as they stream), which otherwise know nothing of each o
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import crc32c
@@ -57,8 +58,8 @@ class Checksums:
     """Consecutive byte ranges of one object with their CRC32C: range ``i`` is bytes
     ``starts[i]`` to ``starts[i + 1]``; the last start is the object's size."""
 
-    starts: tuple[int, ...]
-    crcs: tuple[int, ...]
+    starts: Sequence[int]
+    crcs: Sequence[int]
 
     @property
     def object_size(self) -> int:

@@ -86,9 +86,10 @@ class S3Config:
     max_concurrency: int = 16
     checksum: Literal["auto", "crc32c", "md5", "off"] = "auto"
     # Measured: a record takes 326 bytes per one-chunk tensor and ~135 per further chunk (100k
-    # tensors: 33 MB), and decoding holds ~6x its size (400k tensors: 131 MB, +797 MB RSS). So
-    # 256 MiB is some 800k tensors or 2M chunks, ~1.6 GB to decode on every rank; a hostile or
-    # runaway record over it costs nothing (refused before its download).
+    # tensors: 33 MB), and decoding holds 3-4x its size (`record.decode`: at most 10x, whatever
+    # it holds). So 256 MiB is some 800k tensors or 2M chunks, ~1 GB to decode on every rank
+    # (2.5 GiB at most); a hostile or runaway record over it costs nothing (refused before its
+    # download).
     max_record_size: int = 256 * MiB
 
     def __post_init__(self) -> None:

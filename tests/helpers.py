@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 from torch.distributed.checkpoint.api import CheckpointException
+
+from s3ckpt.config import S3Config
 
 
 def raised(call: Callable[[], Any]) -> BaseException:
@@ -29,3 +38,59 @@ def listing(client: Any, bucket: str, prefix: str = "") -> dict[str, int]:
 
 def uploads_in_progress(client: Any, bucket: str) -> list[str]:
     return [u["Key"] for u in client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])]
+
+
+@dataclass(frozen=True)
+class Peak:
+    """What `peak_growth` measured: the peak RSS above the RSS before the code ran, in bytes,
+    and the error it raised (``"Type: message"``, DCP's wrapper removed), if any."""
+
+    growth: int
+    error: str | None
+
+
+_CHILD = """
+import json, sys
+from s3ckpt import S3Config
+config = S3Config(**json.loads(sys.argv[1]))
+{setup}
+def status(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+before = status("VmRSS")
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # VmHWM, the peak RSS, starts again from here
+error = None
+try:
+{code}
+except BaseException as e:
+    failures = getattr(e, "failures", None)  # DCP's CheckpointException
+    e = next(iter(failures.values()))[0] if failures else e
+    error = f"{{type(e).__name__}}: {{e}}"
+print(json.dumps({{"growth": status("VmHWM") - before, "error": error}}))
+"""
+
+
+def peak_growth(config: S3Config, code: str, setup: str = "") -> Peak:
+    """Run ``setup``, then ``code``, in a new Python process (``config`` is there as
+    ``config``) and measure how far ``code`` raised its peak RSS: in this process, the peak
+    counts what earlier tests left behind, and a child's ``ru_maxrss`` starts at the RSS of
+    the parent that forked it."""
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("measuring a peak RSS needs Linux's /proc/self/clear_refs")
+    names = ["endpoint_url", "region", "access_key_id", "secret_access_key"]
+    names += ["part_size", "max_concurrency", "max_record_size"]
+    settings = {name: getattr(config, name) for name in names}
+    program = _CHILD.format(setup=setup, code=textwrap.indent(code, "    "))
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-c", program, json.dumps(settings)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return Peak(result["growth"], result["error"])

@@ -46,29 +46,20 @@ Bars = Callable[[str, str], contextlib.AbstractContextManager[Bar | None]]
     ),
 )
 def _export(session: Session) -> int:
-    import torch
-
     from ..tools import catalog
 
     url, out = session.args.url, session.args.out
-    print(f"export: reading {url}", file=sys.stderr)
+    print(f"export: reading {url} into {out}", file=sys.stderr)
     started = time.perf_counter()
     with session.progress("B") as progress:
-        state = catalog.read_state(
-            url, session.config, progress=progress, trust_pickles=session.args.trust_pickles
+        exported = catalog.export(
+            url, out, session.config, progress=progress, trust_pickles=session.args.trust_pickles
         )
-    loaded = time.perf_counter() - started
-    tensors = [v for v in _leaves(state) if isinstance(v, torch.Tensor)]
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    print(f"export: read {human_size(nbytes)} in {loaded:.1f} s; writing {out}", file=sys.stderr)
-    partial = out.with_name(f".{out.name}.partial")
-    try:
-        torch.save(state, partial)
-        os.replace(partial, out)
-    finally:
-        partial.unlink(missing_ok=True)
-    result = {"checkpoint": url, "path": str(out), "tensors": len(tensors), "tensor_bytes": nbytes}
-    session.emit(result, f"wrote {out}: {len(tensors)} tensors, {human_size(nbytes)}, from {url}")
+    took = time.perf_counter() - started
+    tensors, nbytes = exported.tensors, exported.tensor_bytes
+    print(f"export: wrote {human_size(nbytes)} in {took:.1f} s", file=sys.stderr)
+    result = {"checkpoint": url, "path": str(out), "tensors": tensors, "tensor_bytes": nbytes}
+    session.emit(result, f"wrote {out}: {tensors} tensors, {human_size(nbytes)}, from {url}")
     return EXIT_OK
 
 
@@ -88,14 +79,6 @@ def _verify(session: Session) -> int:
     )
     session.emit(dataclasses.asdict(report), text)
     return EXIT_OK
-
-
-def _leaves(value: Any) -> list[Any]:
-    if isinstance(value, dict):
-        return [leaf for item in value.values() for leaf in _leaves(item)]
-    if isinstance(value, (list, tuple)):
-        return [leaf for item in value for leaf in _leaves(item)]
-    return [value]
 
 
 def _mib(text: str) -> int:

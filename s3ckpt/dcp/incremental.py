@@ -125,7 +125,7 @@ class Base:
             if found is None or found[0] != DTYPE_NAMES.get(data.properties.dtype):
                 continue
             chunk = found[1]
-            if chunk.sizes == list(data.chunk.sizes) and chunk.digest and self._near(chunk):
+            if chunk.sizes == tuple(data.chunk.sizes) and chunk.digest and self._near(chunk):
                 key = layout.reference(name, chunk.locator.key)
                 out[item.index] = (
                     chunk.digest,
@@ -146,7 +146,7 @@ class Base:
         """The base's tensor chunks by name and offsets, with their dtype: each rank's plan
         looks its items up here (a model sharded over many ranks has many chunks per tensor)."""
         return {
-            (fqn, tuple(chunk.offsets)): (entry.dtype, chunk)
+            (fqn, chunk.offsets): (entry.dtype, chunk)
             for fqn, entry in self.checkpoint.entries.items()
             if isinstance(entry, TensorEntry)
             for chunk in entry.chunks

@@ -71,27 +71,27 @@ async def _read_compressed(
     table: FrameTable,
     segments: list[tuple[int, memoryview]],
 ) -> None:
-    """Fetch the frames holding a fetch's raw range, decode each in a worker thread, and
-    scatter its raw bytes to the destinations."""
+    """Fetch the frames holding a fetch's raw range and decode each, in a worker thread, into the
+    destinations of its raw bytes (a frame that none wants is only checked)."""
     scatter = Scatter(0, segments)
 
     def place(number: int, stored: bytes) -> None:
         start, size = number * table.frame_size, table.raw_length(number)
-        target = scatter.sole_view(start, start + size)
+        parts = scatter.views(start, start + size)
+        if not parts:
+            return
         try:
-            raw = frames.decode(stored, table.codecs[number], size, out=target)
+            frames.decode_into(stored, table.codecs[number], size, parts)
         except ValueError as e:
             raise StorageError(
-                f"s3://{bucket}/{fetch.key} frame {number}: {e}",
+                f"s3://{bucket}/{fetch.key} frame {number} (stored bytes {table.starts[number]}-"
+                f"{table.starts[number + 1]}, raw bytes {start}-{start + size}): {e}",
                 bucket=bucket,
                 key=fetch.key,
                 endpoint=store.endpoint,
                 operation="decode",
                 code="Undecodable",
             ) from None
-        if target is None:
-            scatter.rewind(start)
-            scatter.write(raw)
 
     wanted = table.frames(fetch.start, fetch.end)
     await store.read_frames(bucket, fetch.key, table.checksums, wanted, place)

@@ -62,17 +62,17 @@ class Scatter:
         self._starts = [offset for offset, _ in self._segments]
         self._first = 0
 
-    def sole_view(self, start: int, end: int) -> memoryview | None:
-        """The memory for bytes ``[start, end)`` when one view alone wants them all, so they
-        can be produced there in place instead of written through `write`."""
+    def views(self, start: int, end: int) -> list[tuple[int, memoryview]]:
+        """The memory that wants bytes ``[start, end)``: ``(offset from start, view)`` of each
+        segment's part of them, so they can be produced there in place instead of written
+        through `write`."""
         stop = bisect.bisect_left(self._starts, end)
-        wanting = [(o, v) for o, v in self._segments[:stop] if o + len(v) > start]
-        if len(wanting) != 1:
-            return None
-        offset, view = wanting[0]
-        if offset > start or offset + len(view) < end:
-            return None
-        return view[start - offset : end - offset]
+        wanting = []
+        for offset, view in self._segments[:stop]:
+            lo, hi = max(offset, start), min(offset + len(view), end)
+            if lo < hi:
+                wanting.append((lo - start, view[lo - offset : hi - offset]))
+        return wanting
 
     def rewind(self, position: int) -> None:
         """Continue from an earlier ``position`` (a retry re-reads from there)."""

@@ -9,8 +9,9 @@ bytes (copies into a strided destination, or hands non-tensor bytes to the plann
 trip beats a few wasted bytes), splits large zero-copy targets so they download concurrently,
 and caps every fetch's size. A fetch streams into its zero-copy targets directly; only the other
 targets get a buffer (`destinations`), so the memory a load holds beyond its destination tensors
-is bounded by ``max_size x concurrency``. `s3ckpt.dcp.reads` runs the plan. All byte ranges are
-half-open ``(start, end)``.
+is bounded by ``max_size x concurrency`` (and, for compressed objects, 1 MiB and a zstd window of
+at most a frame per frame being decoded: `frames.decode_into`). `s3ckpt.dcp.reads` runs the
+plan. All byte ranges are half-open ``(start, end)``.
 """
 
 from __future__ import annotations

@@ -3,12 +3,13 @@
 Listing and ``latest`` search every depth below the URL (`tree`: one LIST request per 1000 keys
 under it); the removals (``delete``, ``prune``, ``gc``) live in `removal`, go one level deep and
 are importable from here. The functions are synchronous; the I/O runs on the `bridge` loop
-through the process's `ObjectStore`. Only `read_state` imports torch.
+through the process's `ObjectStore`. Only `read_state` and `export` import torch.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from ..config import S3Config
 from ..dcp.prefix import State, read_prefix
@@ -22,6 +23,9 @@ from . import scan, tree
 from .removal import GcReport, Removal, delete, gc, prune
 from .scan import CheckpointInfo, Progress
 
+if TYPE_CHECKING:
+    from .state import Exported
+
 __all__ = [
     "CheckpointInfo",
     "GcReport",
@@ -30,6 +34,7 @@ __all__ = [
     "Upload",
     "delete",
     "describe",
+    "export",
     "gc",
     "latest",
     "list_checkpoints",
@@ -65,18 +70,38 @@ def read_state(
     trust_pickles: bool = False,
 ) -> dict[str, Any]:
     """The whole state dict of the committed checkpoint at ``url``, nested as it was saved, with
-    CPU tensors rebuilt from the metadata: no model is needed to export or compare checkpoints.
-    It is all in memory at once. ``progress(done, total)`` counts tensor bytes as they arrive.
-    ``trust_pickles`` is `S3Reader`'s: without it a non-tensor value that could run code when
-    unpickled raises `UnsafeCheckpoint`."""
-    # The typed error, which DCP would turn into an AssertionError: building DCP's metadata is
-    # part of it (a dtype this torch lacks).
-    _, checkpoint = describe(url, config)
+    CPU tensors rebuilt from the metadata: no model is needed to compare checkpoints. It is all
+    in memory at once (`export` writes one to a file without that). ``progress(done, total)``
+    counts tensor bytes as they arrive. ``trust_pickles`` is `S3Reader`'s: without it a
+    non-tensor value that could run code when unpickled raises `UnsafeCheckpoint`."""
+    _check_readable(url, config)
     from .state import read_state as load  # torch and DCP: only this needs them
 
-    _ = checkpoint.metadata
-
     return load(url, config, progress=progress, trust_pickles=trust_pickles)
+
+
+def export(
+    url: str,
+    path: Path,
+    config: S3Config | None = None,
+    *,
+    progress: Progress | None = None,
+    trust_pickles: bool = False,
+) -> Exported:
+    """Write the committed checkpoint at ``url`` to ``path`` as one ``torch.save`` file, nested
+    as it was saved, holding a bounded batch of tensors in memory at a time (see
+    `state.export`); ``progress`` and ``trust_pickles`` as for `read_state`."""
+    _check_readable(url, config)
+    from .state import export as write  # torch and DCP: only this needs them
+
+    return write(url, path, config, progress=progress, trust_pickles=trust_pickles)
+
+
+def _check_readable(url: str, config: S3Config | None) -> None:
+    """The typed error, which DCP would turn into an AssertionError: building DCP's metadata is
+    part of it (a dtype this torch lacks)."""
+    _, checkpoint = describe(url, config)
+    _ = checkpoint.metadata
 
 
 async def _describe(store: ObjectStore, location: Location) -> tuple[CheckpointInfo, Checkpoint]:

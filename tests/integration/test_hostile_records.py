@@ -13,19 +13,24 @@ import json
 import resource
 import struct
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import zstandard
 
 from s3ckpt import S3Reader, S3Writer, WriteOptions
+from s3ckpt.checksums import checksum
+from s3ckpt.config import MiB
 from s3ckpt.engine.store import get_store
 from s3ckpt.errors import MetadataError, StorageError
 from s3ckpt.format.frames import RAW, ZSTD
+from s3ckpt.format.record.decoder import MEMORY_BOUND
 from s3ckpt.tools import catalog
 from s3ckpt.tools.verify import verify
-from tests.helpers import raised
+from tests.helpers import peak_growth, raised
 
 GiB = 1 << 30
 # Far below the claims (3 GiB and up), far above what reading a tiny checkpoint costs.
@@ -254,3 +259,161 @@ def test_a_record_over_the_cap_is_refused_before_it_is_downloaded(s3: Any, bucke
         assert f"S3Config(max_record_size={size})" in str(error)
     assert get_store(config).stats.bytes_received - received < size
     assert load(s3, bucket, max_record_size=size)["step"] == 7
+
+
+def _zeros(size: int) -> bytes:
+    """One zstd frame of ``size`` zero bytes, compressed a piece at a time: about 32 KB a GiB,
+    within the 32768:1 that zstd can reach and `FrameTable.from_json` allows."""
+    compressor = zstandard.ZstdCompressor(level=1).compressobj(size=size)
+    piece = bytes(16 * MiB)
+    stored = [
+        compressor.compress(piece[: min(len(piece), size - at)])
+        for at in range(0, size, len(piece))
+    ]
+    return b"".join(stored) + compressor.flush()
+
+
+def _plant_zeros(s3: Any, bucket: str, sizes: list[int], declared: int | None = None) -> None:
+    """The record of ``ck`` with float32 tensors ``w0``, ``w1``, ... of ``sizes`` bytes instead
+    of its own, each a zstd frame of zeros in an object of its own: consistent, and tiny. With
+    ``declared``, each frame's header says that many bytes instead."""
+    edited = record(s3, bucket)
+    folder = the_object(edited).rpartition("/")[0]
+    edited.update(objects={}, frames={}, state_dict={}, planner_data={})
+    for i, size in enumerate(sizes):
+        key, stored = f"{folder}/zeros-{i}", _zeros(declared or size)
+        s3.client.put_object(Bucket=bucket, Key=f"ck/{key}", Body=stored)
+        table = base64.b64encode(struct.pack("<IIB", len(stored), checksum(stored), ZSTD))
+        edited["objects"][key] = len(stored)
+        edited["frames"][key] = {"frame_size": size, "raw_size": size, "table": table.decode()}
+        locator = {"key": key, "offset": 0, "length": size}
+        edited["state_dict"][f"w{i}"] = {
+            "type": "tensor",
+            "dtype": "float32",
+            "size": [size // 4],
+            "layout": "strided",
+            "memory_format": "contiguous_format",
+            "requires_grad": False,
+            "pin_memory": False,
+            "chunks": [{"offsets": [0], "sizes": [size // 4], "locator": locator}],
+        }
+    s3.client.put_object(Bucket=bucket, Key="ck/.metadata", Body=json.dumps(edited).encode())
+
+
+_LOAD = """
+import torch.distributed.checkpoint as dcp
+dcp.load(state, storage_reader=S3Reader({bucket!r}, "ck", config=config))
+"""
+_STATE = """
+import torch
+from s3ckpt import S3Reader
+state = {{f"w{{i}}": torch.zeros(size // 4) for i, size in enumerate({sizes})}}
+"""
+
+
+def test_a_frame_decodes_straight_into_its_tensor(s3: Any, bucket: str) -> None:
+    """A 256 MiB tensor stored as one 8 KB frame loads with a few MiB beside its destination;
+    decoded into a buffer of its own first, it cost its whole size again (a 98 KB frame of
+    3.2 GB: 6.4 GiB)."""
+    save(s3, bucket)
+    _plant_zeros(s3, bucket, [256 * MiB])
+    sizes = [256 * MiB]
+    peak = peak_growth(s3.config(), _LOAD.format(bucket=bucket), _STATE.format(sizes=sizes))
+    assert peak.error is None
+    assert peak.growth < 64 * MiB, peak
+
+
+def test_a_frame_header_that_claims_more_than_the_record_allocates_nothing(
+    s3: Any, bucket: str
+) -> None:
+    """The record says 1 MiB, the frame's header 512 MiB: a typed error naming the frame, and
+    no allocation of what the header claims (there was: 512 MiB, then the error)."""
+    save(s3, bucket)
+    _plant_zeros(s3, bucket, [1 * MiB], declared=512 * MiB)
+    sizes = [1 * MiB]
+    peak = peak_growth(s3.config(), _LOAD.format(bucket=bucket), _STATE.format(sizes=sizes))
+    assert peak.error is not None and peak.error.startswith("StorageError: "), peak
+    assert f"s3://{bucket}/ck/" in peak.error and "/zeros-0 frame 0 (stored bytes 0-" in peak.error
+    assert "frame header declares 536870912 bytes, expected 1048576" in peak.error
+    assert peak.growth < 64 * MiB, peak
+
+
+def test_export_holds_a_batch_of_tensors_not_the_state(
+    s3: Any, bucket: str, tmp_path: Path
+) -> None:
+    """Four 256 MiB tensors, 32 KB stored, exported with 32 MiB of tensors at a time: the peak
+    stays under one tensor (it was all four and a decoded frame: 1.25 GiB)."""
+    save(s3, bucket)
+    _plant_zeros(s3, bucket, [256 * MiB] * 4)
+    out = tmp_path / "out.pt"
+    argv = ["--part-size", "8", "--max-concurrency", "4", "export", f"s3://{bucket}/ck", str(out)]
+    code = f"""
+os.environ["AWS_ACCESS_KEY_ID"] = config.access_key_id
+os.environ["AWS_SECRET_ACCESS_KEY"] = config.secret_access_key
+assert main(["--endpoint-url", config.endpoint_url, *{argv}]) == 0
+"""
+    setup = "import os\nfrom s3ckpt.cli import main\nfrom s3ckpt.tools import catalog, state"
+    peak = peak_growth(s3.config(), code, setup)  # (state imports torch and DCP)
+    assert peak.error is None
+    assert peak.growth < 256 * MiB, peak
+    loaded = torch.load(out, mmap=True, weights_only=True)
+    assert sorted(loaded) == ["w0", "w1", "w2", "w3"] and loaded["w3"].shape == (64 * MiB,)
+
+
+_CLI = """
+os.environ["AWS_ACCESS_KEY_ID"] = config.access_key_id
+os.environ["AWS_SECRET_ACCESS_KEY"] = config.secret_access_key
+exits = main(["--endpoint-url", config.endpoint_url, *{argv}])
+assert exits == {exits}, exits
+"""
+_CLI_SETUP = "import os\nfrom s3ckpt.cli import main"
+
+
+def _decoded_in_a_child(s3: Any, bucket: str, body: bytes, command: str, exits: int) -> int:
+    """The peak RSS growth of ``s3ckpt COMMAND s3://bucket/ck`` over the record ``body``."""
+    s3.client.put_object(Bucket=bucket, Key="ck/.metadata", Body=body)
+    argv = [command, f"s3://{bucket}/ck"]
+    peak = peak_growth(s3.config(), _CLI.format(argv=argv, exits=exits), _CLI_SETUP)
+    assert peak.error is None, peak
+    return peak.growth
+
+
+@pytest.mark.parametrize("command", ["info", "ls"])
+def test_a_dense_record_costs_a_bounded_multiple_of_its_size(
+    s3: Any, bucket: str, command: str
+) -> None:
+    """40 MiB of valid JSON in planner_data, three bytes a list (``[[],[],...]``): refused,
+    at a few times its size (it cost 2 GiB, 50 times, in ``json.loads`` and a copy)."""
+    save(s3, bucket)
+    edited = record(s3, bucket)
+    edited["planner_data"]["x"] = [[]] * (40 * MiB // 3)
+    body = json.dumps(edited, separators=(",", ":")).encode()
+    growth = _decoded_in_a_child(s3, bucket, body, command, exits=1 if command == "info" else 0)
+    assert growth < MEMORY_BOUND * len(body), growth
+
+
+def test_a_valid_record_of_the_densest_kind_costs_under_its_bound(s3: Any, bucket: str) -> None:
+    """A tensor of 300,000 one-element chunks (16 MiB of record, s3ckpt's tiniest chunk, the
+    costliest valid content found): ``info`` reads it within `MEMORY_BOUND` times its size
+    (it took 13 times, the whole JSON tree and the model beside it)."""
+    save(s3, bucket)
+    edited = record(s3, bucket)
+    key = the_object(edited)
+    count = 300_000
+    edited["state_dict"] = {
+        "t": {
+            **edited["state_dict"]["w"],
+            "size": [count],
+            "chunks": [
+                {
+                    "offsets": [i],
+                    "sizes": [1],
+                    "locator": {"key": key, "offset": 4 * (i % 64), "length": 4},
+                }
+                for i in range(count)
+            ],
+        }
+    }
+    body = json.dumps(edited, separators=(",", ":")).encode()
+    growth = _decoded_in_a_child(s3, bucket, body, "info", exits=0)
+    assert growth < MEMORY_BOUND * len(body), (growth, len(body))

@@ -87,8 +87,8 @@ class Chunk:
     """One stored piece of a tensor: where it starts in the tensor, its sizes, its bytes, and
     (from incremental saves) the xxh3-128 digest of those bytes, 32 hex digits."""
 
-    offsets: list[int]
-    sizes: list[int]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
     locator: Locator
     digest: str | None = None
 
@@ -146,10 +146,17 @@ class Checkpoint:
     extra: dict[str, Any]
     frames: dict[str, FrameTable]
     entries: dict[str, Entry]
-    planner_data: Any
+    planner_source: str  # planner_data's JSON text, read when it is first asked for
     storage_meta: StorageInfo | None
     dcp_version: str | None
     url: str  # of the record, for errors raised when DCP's types are built
+
+    @cached_property
+    def planner_data(self) -> Any:
+        """DCP's ``planner_data`` (tuples tagged in the JSON are tuples again)."""
+        from .decoder import decode_planner_data
+
+        return decode_planner_data(self.planner_source)
 
     @property
     def metadata(self) -> Metadata:

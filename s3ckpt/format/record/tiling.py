@@ -4,25 +4,34 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from ..jsoncheck import fail
 
 
-def check_chunk(offsets: list[int], sizes: list[int], size: list[int], where: str) -> None:
+def check_chunk(
+    offsets: Sequence[int], sizes: Sequence[int], size: Sequence[int], where: str
+) -> None:
     if len(offsets) != len(size) or len(sizes) != len(size):
-        fail(f"{where}: offsets {offsets} and sizes {sizes} do not match tensor size {size}")
+        fail(
+            f"{where}: offsets {list(offsets)} and sizes {list(sizes)} do not match tensor "
+            f"size {list(size)}"
+        )
     if any(o + s > n for o, s, n in zip(offsets, sizes, size, strict=True)):
-        fail(f"{where}: offsets {offsets} + sizes {sizes} exceed tensor size {size}")
+        fail(
+            f"{where}: offsets {list(offsets)} + sizes {list(sizes)} exceed tensor size "
+            f"{list(size)}"
+        )
 
 
 # A chunk as the tiling check sees it: its position in the record, offsets and sizes.
-Box = tuple[int, list[int], list[int]]
+Box = tuple[int, Sequence[int], Sequence[int]]
 # Comparisons the overlap sweep may make: a second of Python (measured), for a layout that no
 # DTensor sharding makes.
 _MAX_COMPARISONS = 1 << 20
 
 
-def check_extent(length: int, sizes: list[int], itemsize: int, dtype: str, where: str) -> int:
+def check_extent(length: int, sizes: Sequence[int], itemsize: int, dtype: str, where: str) -> int:
     """A chunk's element count, once its locator is found to hold exactly its bytes.
 
     The reader sizes every read from the sizes and the dtype; a locator of another length would
@@ -33,13 +42,14 @@ def check_extent(length: int, sizes: list[int], itemsize: int, dtype: str, where
     count = math.prod(sizes)
     if length != count * itemsize:
         fail(
-            f"{where}.locator: {length} bytes, but {count} torch.{dtype} elements (sizes {sizes}) "
+            f"{where}.locator: {length} bytes, but {count} torch.{dtype} elements (sizes "
+            f"{list(sizes)}) "
             f"take {count * itemsize}"
         )
     return count
 
 
-def check_tiling(size: list[int], volume: int, boxes: list[Box], where: str) -> None:
+def check_tiling(size: Sequence[int], volume: int, boxes: list[Box], where: str) -> None:
     """The chunks of a tensor must cover it exactly once.
 
     DCP fills a destination from whichever chunks intersect it, so a gap loads as elements never
@@ -57,7 +67,7 @@ def check_tiling(size: list[int], volume: int, boxes: list[Box], where: str) -> 
         _check_disjoint(boxes, where)
 
 
-def _is_grid(size: list[int], boxes: list[Box]) -> bool:
+def _is_grid(size: Sequence[int], boxes: list[Box]) -> bool:
     """Whether, in every dimension, the chunks' extents partition the tensor's.
 
     Each chunk is then one cell of that grid, and distinct offsets make distinct cells, which

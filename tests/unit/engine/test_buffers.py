@@ -54,14 +54,16 @@ def test_part_buffers_are_reused_while_held_and_dropped_after() -> None:
         assert after.obj is not address
 
 
-def test_a_range_has_a_sole_view_only_when_one_segment_alone_wants_all_of_it() -> None:
+def test_views_are_the_parts_of_a_range_that_segments_want() -> None:
     a, b, c = bytearray(100), bytearray(50), bytearray(10)
     scatter = Scatter(0, [(0, memoryview(a)), (200, memoryview(b)), (220, memoryview(c))])
-    view = scatter.sole_view(10, 60)
-    assert view is not None and len(view) == 50
+    ((at, view),) = scatter.views(10, 60)
+    assert at == 0 and len(view) == 50
     view[:] = b"x" * 50
     assert a[10:60] == b"x" * 50 and a[:10] == bytes(10)
-    assert scatter.sole_view(90, 110) is None, "runs past the end of its segment"
-    assert scatter.sole_view(150, 160) is None, "nobody wants these bytes"
-    assert scatter.sole_view(205, 215) is not None
-    assert scatter.sole_view(215, 225) is None, "two segments want part of it"
+    assert [(at, len(v)) for at, v in scatter.views(90, 110)] == [(0, 10)], "clipped at its end"
+    assert scatter.views(150, 160) == [], "nobody wants these bytes"
+    assert [(at, len(v)) for at, v in scatter.views(215, 235)] == [(0, 20), (5, 10)]
+    for at, v in scatter.views(215, 235):
+        v[:] = bytes(range(at + 1, at + 1 + len(v)))
+    assert b[15:35] == bytes(range(1, 21)) and c == bytes(range(6, 16))

@@ -811,3 +811,55 @@ def test_a_version_1_record_cannot_reference_and_digests_must_be_hex(
 
     with pytest.raises(MetadataError, match="32 hex digits"):
         decode(_mutated(saved[3], bad_digest), url=URL)
+
+
+@pytest.mark.parametrize(
+    ("change", "cause"),
+    [
+        (lambda r: r["extra"].update(x=[{}] * 400_000), "extra: more than 1048576 bytes"),
+        (lambda r: r["planner_data"].update(x=[[]] * 30_000), "planner_data['x']: more than"),
+        (lambda r: _chunk(r).update(junk=[0] * 40_000), "chunks[0]: more than 65536 bytes"),
+        (lambda r: r["objects"].update({"data/9.bin": 1}), "'data/9.bin' holds none of"),
+    ],
+    ids=["extra", "planner-data", "chunk", "unused-object"],
+)
+def test_decode_refuses_what_would_cost_more_than_its_share(
+    saved: tuple[Metadata, dict[MetadataIndex, Locator], dict[str, int], bytes],
+    change: Callable[[dict[str, Any]], None],
+    cause: str,
+) -> None:
+    """A free-form field of more than 1 MiB, a value inside the state dict, the frame tables or
+    planner_data of more than 64 KiB, an object that holds none of the items (each costs a
+    frame table, however short its text): s3ckpt writes none of them."""
+
+    def also_framed(record: dict[str, Any]) -> None:
+        change(record)
+        for key in record["objects"]:
+            record["frames"].setdefault(key, {"frame_size": 4096, "table": "AQAAAAAAAAAA"})
+
+    with pytest.raises(MetadataError) as caught:
+        decode(_mutated(saved[3], also_framed), url=URL)
+    assert cause in str(caught.value)
+
+
+def test_a_newer_record_says_so_even_if_this_s3ckpt_cannot_read_it(
+    saved: tuple[Metadata, dict[MetadataIndex, Locator], dict[str, int], bytes],
+) -> None:
+    """Version is the record's last member: a state dict shaped as a newer s3ckpt may shape it
+    is refused as newer, not as garbled."""
+
+    def newer(record: dict[str, Any]) -> None:
+        record["state_dict"] = [record.pop("state_dict")]
+        record["version"] = FORMAT_VERSION + 1
+
+    with pytest.raises(MetadataError, match="newer s3ckpt"):
+        decode(_mutated(saved[3], newer), url=URL)
+
+
+def test_planner_data_is_read_when_it_is_asked_for(
+    saved: tuple[Metadata, dict[MetadataIndex, Locator], dict[str, int], bytes],
+) -> None:
+    checkpoint = decode(saved[3], url=URL)
+    assert isinstance(checkpoint.planner_source, str)
+    assert checkpoint.planner_data == saved[0].planner_data
+    assert checkpoint.metadata.planner_data == saved[0].planner_data

@@ -78,8 +78,8 @@ def test_decode_gives_the_formats_own_model() -> None:
     assert isinstance(w, TensorEntry) and isinstance(s, TensorEntry)
     assert (w.dtype, w.size, w.layout, w.nbytes) == ("bfloat16", [4, 3], "strided", 24)
     assert [(c.offsets, c.sizes, c.locator) for c in w.chunks] == [
-        ([0, 0], [2, 3], Locator("o", 0, 12)),
-        ([2, 0], [2, 3], Locator("o", 12, 12)),
+        ((0, 0), (2, 3), Locator("o", 0, 12)),
+        ((2, 0), (2, 3), Locator("o", 12, 12)),
     ]
     assert (s.size, s.nbytes) == ([], 8)
     assert step == BytesEntry(Locator("o", 32, 5))
