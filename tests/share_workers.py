@@ -8,6 +8,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -41,6 +44,31 @@ def _placed(full: torch.Tensor, layout: str, world: int) -> tuple[torch.Tensor, 
         mesh = init_device_mesh("cpu", (world,))
         placements = [Shard(1)]
     return distribute_tensor(torch.zeros_like(full), mesh, placements), (mesh, placements)
+
+
+class _Failing(DefaultLoadPlanner):
+    """A planner that fails on one rank, after the plans were exchanged."""
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        raise ValueError("this rank's planner gives up")
+
+
+@leaves_at_once
+def fail_one(rank: int, world: int, port: int, config: S3Config, url: str) -> None:
+    """Rank 1 fails to plan its reads; every rank's load must fail, none wait for the others."""
+    _init(rank, world, port)
+    state = {name: torch.zeros_like(t) for name, t in reference().items()}
+    planner = _Failing() if rank == 1 else DefaultLoadPlanner()
+    try:
+        dcp.load(state, storage_reader=S3Reader(url, config=config), planner=planner)
+    except CheckpointException as e:
+        reasons = [str(error) for error, _ in e.failures.values()]
+        assert any("gives up" in r for r in reasons), reasons
+        if rank != 1:
+            assert any("another rank could not plan" in r for r in reasons), reasons
+    else:
+        raise AssertionError(f"rank {rank}: the load succeeded")
+    dist.destroy_process_group()
 
 
 @leaves_at_once

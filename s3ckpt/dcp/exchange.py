@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from ..format.readplan import Fetch, Target
 from ..format.sharing import Share, Transfer
+from .group import any_failed
 
 __all__ = ["WINDOW", "Pieces"]
 
@@ -270,9 +271,8 @@ class Pieces:
         for work, _ in self._works:
             work.wait()
         self._works.clear()
-        flag = torch.tensor([int(failed)], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        return bool(flag.item())
+        assert self._group is not None
+        return any_failed(self._group, failed)
 
     async def placed(self) -> None:
         await asyncio.gather(*self._placing)

@@ -33,6 +33,7 @@ from .prefix import read_prefix, read_record
 
 __all__ = [
     "Ranks",
+    "any_failed",
     "broadcast",
     "current",
     "gloo",
@@ -104,6 +105,13 @@ def gloo(ranks: Ranks) -> dist.ProcessGroup:
         )
         _GLOO[ranks.members] = made
     return made
+
+
+def any_failed(group: dist.ProcessGroup, failed: bool) -> bool:
+    """Whether any rank of ``group`` says it failed (a collective: every rank calls it)."""
+    flag = torch.tensor([int(failed)], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
 
 
 def host() -> str:

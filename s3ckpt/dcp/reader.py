@@ -187,22 +187,9 @@ class S3Reader(AtLocation, StorageReader):
         ]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        remaining: dict[int, int] = {}
-        finishers: dict[int, Callable[[], None]] = {}
-        targets: list[Target] = []
-        for number, item in enumerate(plan.items):
-            item_targets, finish = self._targets(number, item, planner)
-            targets.extend(item_targets)
-            remaining[number] = len(item_targets)
-            finishers[number] = finish
-
-        def done(item: int) -> None:
-            remaining[item] -= 1
-            if remaining[item] == 0:
-                finishers[item]()
-
         share = plan.storage_data if isinstance(plan.storage_data, sharing.Share) else None
         if share is None:
+            targets, done = self._plan(plan, planner)
             pieces = Pieces(targets, done)
         elif self._ranks is None:  # the other ranks would wait for this one's transfers
             raise CheckpointError(
@@ -211,15 +198,55 @@ class S3Reader(AtLocation, StorageReader):
                 url=self.checkpoint_id,
             )
         else:
-            pieces = Pieces(targets, done, share, gloo(self._ranks), self._ranks.members)
+            pieces = self._shared_pieces(plan, planner, share, self._ranks)
         frames = {self.location.key(key): t.frame_size for key, t in self._frames.items()}
         fetches = plan_fetches(
             pieces.fetch_targets, max_gap=self.max_gap, max_size=self.config.part_size, align=frames
         )
+        return to_torch_future(bridge.submit(self._read_all(fetches, pieces, share is not None)))
+
+    def _plan(
+        self, plan: LoadPlan, planner: LoadPlanner
+    ) -> tuple[list[Target], Callable[[int], None]]:
+        """Every read item's targets, and what to call as each target completes (an item whose
+        targets are all in is committed to the planner; one without any, at once)."""
+        remaining: dict[int, int] = {}
+        finishers: dict[int, Callable[[], None]] = {}
+        targets: list[Target] = []
+        for number, item in enumerate(plan.items):
+            item_targets, finish = self._targets(number, item, planner)
+            targets.extend(item_targets)
+            remaining[number] = len(item_targets)
+            finishers[number] = finish
         for number, count in remaining.items():
             if count == 0:
                 finishers[number]()
-        return to_torch_future(bridge.submit(self._read_all(fetches, pieces, share is not None)))
+
+        def done(item: int) -> None:
+            remaining[item] -= 1
+            if remaining[item] == 0:
+                finishers[item]()
+
+        return targets, done
+
+    def _shared_pieces(
+        self, plan: LoadPlan, planner: LoadPlanner, share: sharing.Share, ranks: group.Ranks
+    ) -> Pieces:
+        """`_plan`, then agree that every rank could plan (one that fails here, a shape that
+        does not match, must not leave the others waiting for its transfers)."""
+        transport = gloo(ranks)
+        try:
+            targets, done = self._plan(plan, planner)
+        except Exception as e:
+            group.any_failed(transport, True)
+            raise e
+        if group.any_failed(transport, False):
+            raise CheckpointError(
+                f"{self.checkpoint_id}: another rank could not plan its reads (its own error "
+                "says why)",
+                url=self.checkpoint_id,
+            )
+        return Pieces(targets, done, share, transport, ranks.members)
 
     async def _read_all(self, fetches: list[Fetch], pieces: Pieces, shared: bool) -> None:
         """The fetches and, in a shared load, the transfers; a failure on any rank fails every

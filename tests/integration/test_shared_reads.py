@@ -97,3 +97,10 @@ def test_an_incremental_checkpoint_is_read_once_too(s3: Any, bucket: str) -> Non
     assert served <= 1.1 * data + 64 * 1024 and records == 1, (served, data)
     alone, _ = loaded(s3, url, "replicated", share=False)
     assert alone >= 1.9 * served
+
+
+@pytest.mark.parametrize("s3", ["seaweedfs"], indirect=True)
+def test_a_rank_that_fails_to_plan_fails_every_rank_without_a_hang(s3: Any, bucket: str) -> None:
+    url = save(s3, bucket, "ck")
+    args = (WORLD, free_port(), s3.config(), url)
+    mp.spawn(share_workers.fail_one, args=args, nprocs=WORLD)
