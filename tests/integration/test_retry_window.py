@@ -249,9 +249,11 @@ def test_a_record_whose_response_head_always_trickles_fails_the_load_typed(
 
 
 # The save's HEADs of its data objects before the commit, and its leases.
+# (operation, the rule's key, the engine's operation, what the error's key holds): the commit
+# lists its save directory before and after the PUT; leases are PUT while it uploads.
 SAVE_REQUESTS = {
-    "commit-heads": ("HeadObject", "/data-", "head_object"),
-    "lease-puts": ("PutObject", "/.lease", "put_object"),
+    "commit-listings": ("ListObjectsV2", None, "list_objects_v2", "/data-"),
+    "lease-puts": ("PutObject", "/.lease", "put_object", "/.lease"),
 }
 
 
@@ -260,7 +262,7 @@ SAVE_REQUESTS = {
 def test_a_save_whose_response_heads_trickle_once_is_retried(
     s3: Any, bucket: str, requests: str
 ) -> None:
-    op, key, _ = SAVE_REQUESTS[requests]
+    op, key, _, _ = SAVE_REQUESTS[requests]
     saved = {"w": torch.arange(1000.0)}
     with FaultProxy(s3.endpoint_url) as proxy:
         rule = proxy.add_rule(HEAD_TRICKLE, op=op, key=key, times=1)
@@ -280,7 +282,7 @@ def test_a_save_whose_response_heads_trickle_once_is_retried(
 def test_a_save_whose_response_heads_always_trickle_fails_typed(
     s3: Any, bucket: str, requests: str
 ) -> None:
-    op, key, operation = SAVE_REQUESTS[requests]
+    op, key, operation, named = SAVE_REQUESTS[requests]
     with FaultProxy(s3.endpoint_url) as proxy:
         rule = proxy.add_rule(HEAD_TRICKLE, op=op, key=key)
         config = s3.config(endpoint_url=proxy.endpoint_url, **TIGHT)
@@ -288,7 +290,7 @@ def test_a_save_whose_response_heads_always_trickle_fails_typed(
         began = time.monotonic()
         error = raised(lambda: dcp.save({"w": torch.arange(1000.0)}, storage_writer=writer))
         elapsed = time.monotonic() - began
-    assert_timed_out(error, bucket, operation, key)
+    assert_timed_out(error, bucket, operation, named)
     assert rule.fired >= 2, "retried within the window"
     assert elapsed < NO_HANG_S, elapsed
     assert "ck/.metadata" not in listing(s3.client, bucket, "ck/"), "nothing was committed"
