@@ -59,6 +59,13 @@ class S3Config:
     bucket once).
     ``max_record_size`` is the largest commit record (``.metadata``) a load or a tool will read:
     a larger one is refused with MetadataError before its bytes are downloaded.
+    ``adapt_to_throttling``: once the store answers 503 ``SlowDown``, 429 or another throttling
+    code, send fewer requests at once (from 0.7 x those in flight, growing back by one per round
+    trip up to ``max_concurrency``) and pace them (from 0.7 x the rate sent, growing back as the
+    AWS SDKs' adaptive mode does), so that a throttled save runs near the rate the store admits
+    instead of drawing a storm of refusals (`s3ckpt.engine.throttle`). Both limits lift once
+    they have grown back without another such answer, and a store that never throttles is
+    never limited; ``False`` only retries, as before.
     """
 
     endpoint_url: str | tuple[str, ...] | None = None
@@ -91,6 +98,7 @@ class S3Config:
     # (2.5 GiB at most); a hostile or runaway record over it costs nothing (refused before its
     # download).
     max_record_size: int = 256 * MiB
+    adapt_to_throttling: bool = True
 
     def __post_init__(self) -> None:
         if self.addressing_style not in _ADDRESSING:

@@ -15,6 +15,7 @@ connection, kept alive as long as both sides allow; bodies are streamed, never h
         ...  # a client with endpoint_url=proxy.endpoint_url
         assert rule.fired == 2
         proxy.add_rule(Status(503, "SlowDown"), for_seconds=5)  # a brownout: 5 s, then healthy
+        proxy.add_rule(RateLimit(20))  # a store admitting 20 requests/s, SlowDown beyond
 
 Limits: operations are inferred from path-style requests only (all a 127.0.0.1 endpoint gets);
 the upstream must be plain HTTP; a response-body fault on a response without a body (HEAD, most
@@ -62,6 +63,7 @@ __all__ = [
     "Fault",
     "FaultProxy",
     "LateApply",
+    "RateLimit",
     "ResetAfter",
     "ResetBefore",
     "ResetMidBody",
@@ -176,6 +178,22 @@ class TrickleHead:
             raise ValueError(f"rate must be > 0 bytes/s, got {self.rate}")
 
 
+@dataclass(frozen=True)
+class RateLimit:
+    """Forward at most ``rate`` of the matching requests a second and answer the rest
+    ``status``, as a store that admits a fixed request rate does (AWS S3 per key prefix): a token
+    bucket over all of them, holding ``burst`` tokens (default: one second's worth), full when
+    the first one arrives. The rule's ``fired`` counts the refusals."""
+
+    rate: float
+    burst: float | None = None
+    status: Status = Status(503, "SlowDown", "Please reduce your request rate.")
+
+    def __post_init__(self) -> None:
+        if self.rate <= 0 or (self.burst is not None and self.burst < 1):
+            raise ValueError(f"rate must be > 0 and burst >= 1, got {self.rate}, {self.burst}")
+
+
 Action = (
     Status
     | ResetBefore
@@ -187,6 +205,7 @@ Action = (
     | Trickle
     | LateApply
     | TrickleHead
+    | RateLimit
 )
 
 
@@ -204,9 +223,23 @@ class Rule:
     until: float | None = None
     matched: int = 0
     fired: int = 0
+    tokens: float | None = None  # a `RateLimit`'s bucket; None until its first request
+    filled: float = 0.0
 
     def matches(self, op: str, key: str) -> bool:
         return (self.ops is None or op in self.ops) and (self.key is None or self.key in key)
+
+    def admits(self, limit: RateLimit, now: float) -> bool:
+        """Whether ``limit``'s bucket has a token for a request arriving at ``now`` (taken)."""
+        burst = limit.rate if limit.burst is None else limit.burst
+        if self.tokens is None:
+            self.tokens = burst
+        self.tokens = min(burst, self.tokens + (now - self.filled) * limit.rate)
+        self.filled = now
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
 
 
 @dataclass(frozen=True)
@@ -757,9 +790,12 @@ class FaultProxy:
                     continue
                 if rule.probability < 1.0 and self._rng.random() >= rule.probability:
                     continue
+                limit = rule.action if isinstance(rule.action, RateLimit) else None
+                if limit is not None and rule.admits(limit, time.monotonic()):
+                    continue
                 rule.fired += 1
                 self._faults.append(Fault(op, key, rule.action))
-                return rule.action
+                return rule.action if limit is None else limit.status
         return None
 
     # -- serving (on the proxy's loop) --

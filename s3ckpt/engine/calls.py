@@ -2,7 +2,8 @@
 
 `Calls` is the base of the engine's `S3Store`: every S3 call goes through `Calls._call`, which
 maps errors (one place: `clients.map_error`), counts, and retries as `retry` says. Every attempt
-of every call is one `Calls._request`, which must be answered within its `Deadline`. The small
+of every call is one `Calls._request`, which must be answered within its `Deadline`, and is let
+through by the store's `throttle.Throttle`, which sends less once the store throttles. The small
 operations of the `contract` (HEAD, listings, deletes, buckets, aborts) live here; moving data
 lives in `downloads` and `store`.
 """
@@ -23,7 +24,8 @@ from ..config import ResolvedConfig, S3Config
 from ..errors import AccessDenied, BucketNotFound, ObjectNotFound, StorageError
 from .clients import ClientHolder, map_error
 from .contract import Listing, Part, Stats, StoredObject, Upload
-from .retry import RetryPolicy, is_repeat_limited, is_transient
+from .retry import RetryPolicy, is_repeat_limited, is_throttling, is_transient
+from .throttle import Answer, Throttle
 
 __all__ = ["Calls", "Deadline", "etag_of"]
 
@@ -68,6 +70,10 @@ class Calls:
         self._turn = itertools.count()
         self._slots: asyncio.Semaphore | None = None
         self._down_until = 0.0  # loop time until which the store counts as down (`_retrying`)
+        # One for the store, not one per endpoint: its endpoints are addresses of one store,
+        # whose limits (per key prefix on AWS S3, per system elsewhere) they share, and every
+        # request and retry rotates over all of them.
+        self._throttle = Throttle(self.config.max_concurrency)
 
     @property
     def config(self) -> S3Config:
@@ -164,51 +170,73 @@ class Calls:
         cleanup of a failed save (aborts, deletes) and a save tried again at once fail fast
         instead of waiting out one more window each. Giving up on ``max_attempts`` (a cap the
         caller chose, such as a single attempt) says nothing about the store.
+
+        Every attempt waits for the store's `Throttle` (which throttling answers tighten). The
+        wait for the first one is not part of the window (nothing has failed yet); the waits for
+        retries are, so a store that refuses nearly everything still fails a request after about
+        one window.
         """
         policy = policy or self.retry
         clock = asyncio.get_running_loop().time
         known_down = clock() < self._down_until
         if known_down:
             policy = dataclasses.replace(policy, max_attempts=1)
-        started, number, repeats = clock(), 0, 0
+        started, number, repeats = 0.0, 0, 0
         while True:
             number += 1
             reached = progress() if progress is not None else 0
+            ticket = await self._throttle.admit()
+            if number == 1:  # waiting for the first attempt to be let through is not failing
+                started = clock()
             self.stats.requests += 1
+            error: StorageError | None = None
+            answer: Answer = "failed"  # unless set below: also when cancelled
             try:
                 result = await attempt()
+                answer = "admitted"
             except Exception as e:
-                self.stats.failed_requests += 1
+                cause = e
                 error = map_error(
                     e, endpoint=self.endpoint, bucket=bucket, key=key, operation=operation
                 )
-                if on_failure is not None:
-                    on_failure(error)
-                if progress is not None and progress() != reached:
-                    started, number = clock(), 1
-                repeats += is_repeat_limited(error)
-                elapsed = clock() - started
-                if not policy.should_retry(error, number, elapsed, repeats):
-                    # Not for a damaged or slow answer: the store is up.
-                    down = is_transient(error) and not is_repeat_limited(error)
-                    if down and not known_down and policy.window_closed(elapsed):
-                        self._down_until = clock() + policy.deadline
-                    raise error from e
-                delay = policy.delay(number, elapsed)
-                # INFO, not WARNING: a window holds tens of attempts, and a store that stays down
-                # ends in one error that says so; the CLI shows these only with -v.
-                log.info(
-                    "%s; attempt %d failed, retrying in %.2f s (for up to %g s)",
-                    error,
-                    number,
-                    delay,
-                    policy.deadline,
-                )
-                self.stats.retries += 1
-                await asyncio.sleep(delay)
-            else:
+                answer = self._answer(error)
+            finally:
+                self._throttle.done(ticket, answer)
+            if error is None:
                 self._down_until = 0.0
                 return result
+            self.stats.failed_requests += 1
+            if on_failure is not None:
+                on_failure(error)
+            if progress is not None and progress() != reached:
+                started, number = clock(), 1
+            repeats += is_repeat_limited(error)
+            elapsed = clock() - started
+            if not policy.should_retry(error, number, elapsed, repeats):
+                # Not for a damaged or slow answer: the store is up.
+                down = is_transient(error) and not is_repeat_limited(error)
+                if down and not known_down and policy.window_closed(elapsed):
+                    self._down_until = clock() + policy.deadline
+                raise error from cause
+            delay = policy.delay(number, elapsed)
+            # INFO, not WARNING: a window holds tens of attempts, and a store that stays down
+            # ends in one error that says so; the CLI shows these only with -v.
+            log.info(
+                "%s; attempt %d failed, retrying in %.2f s (for up to %g s)",
+                error,
+                number,
+                delay,
+                policy.deadline,
+            )
+            self.stats.retries += 1
+            await asyncio.sleep(delay)
+
+    def _answer(self, error: StorageError) -> Answer:
+        """What a failed attempt tells the store's `Throttle`; counts throttling answers."""
+        if is_throttling(error):
+            self.stats.throttled += 1
+            return "throttled" if self.config.adapt_to_throttling else "failed"
+        return "failed" if is_transient(error) else "admitted"
 
     def slot(self) -> asyncio.Semaphore:
         """One of the ``max_concurrency`` request slots; hold it around `read_range`."""

@@ -79,11 +79,13 @@ class Blob:
 
 @dataclass
 class Stats:
-    """Counters for one process and configuration; benchmarks and the tools read them."""
+    """Counters for one process and configuration; benchmarks and the tools read them.
+    ``throttled``: failed requests that were throttling answers (503, 429, ``SlowDown`` ...)."""
 
     requests: int = 0
     failed_requests: int = 0
     retries: int = 0
+    throttled: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
 

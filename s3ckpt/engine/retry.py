@@ -8,7 +8,9 @@ answers that miss their request's deadline (``ResponseTimeout``, see `calls.Call
 or refused connections, response bodies that end early or arrive slower than ``min_read_rate``,
 and bytes that fail their checksum (damage in transit). Not retried: every other 4xx (403 bad
 credentials, 404 missing bucket or key, 400, 412 lost conditional write), TLS verification
-failures and configuration errors, which no retry can fix.
+failures and configuration errors, which no retry can fix. A throttling answer (`is_throttling`:
+503, 429, ``SlowDown`` and friends) is retried like the others and also makes the store's
+`throttle.Throttle` send fewer requests, so that retries do not add up to a storm.
 
 How long: a store that restarts, browns out or sheds load with ``SlowDown`` is back within
 seconds, however many requests fail meanwhile, so a request is retried for a time window
@@ -31,7 +33,7 @@ from dataclasses import dataclass, field
 
 from ..errors import EndpointUnreachable, StorageError
 
-__all__ = ["REPEAT_LIMIT", "RetryPolicy", "is_repeat_limited", "is_transient"]
+__all__ = ["REPEAT_LIMIT", "RetryPolicy", "is_repeat_limited", "is_throttling", "is_transient"]
 
 BASE_DELAY = 0.1
 MAX_DELAY = 5.0
@@ -43,13 +45,16 @@ _REPEAT_LIMITED_CODES = {
     "XAmzContentChecksumMismatch",
     "TooSlow",
 }
-_RETRYABLE_CODES = {
+_THROTTLING_CODES = {
     "SlowDown",
     "Throttling",
     "ThrottlingException",
     "RequestLimitExceeded",
     "TooManyRequests",
     "RequestThrottled",
+}
+_RETRYABLE_CODES = {
+    *_THROTTLING_CODES,
     "ServiceUnavailable",
     "InternalError",
     "RequestTimeout",
@@ -68,6 +73,14 @@ def is_transient(error: BaseException) -> bool:
     if error.code in _RETRYABLE_CODES:
         return True
     return error.status is not None and (error.status >= 500 or error.status in (408, 429))
+
+
+def is_throttling(error: BaseException) -> bool:
+    """True for an answer that asks for fewer requests: HTTP 503 (S3's ``SlowDown``, a balancer
+    shedding load), 429, or a throttling code; `throttle.Throttle` sends less on it."""
+    if not isinstance(error, StorageError):
+        return False
+    return error.code in _THROTTLING_CODES or error.status in (429, 503)
 
 
 def is_repeat_limited(error: BaseException) -> bool:

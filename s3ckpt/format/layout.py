@@ -120,13 +120,17 @@ def data_key(save_id: str, rank: int, index: int, spread: int = 0, nonce: str = 
 
     ``nonce`` is drawn by each rank for each save: DCP's plan caching hands a later save the
     plans (and so the save id) of an earlier one, and without it the later save would rewrite
-    the committed checkpoint's objects. With ``spread`` digits, a hash of the name comes first,
-    so that one save's requests fan out over ``16**spread`` key ranges instead of a run of
-    sequential names (stores such as AWS S3 partition request rates by key prefix).
+    the committed checkpoint's objects. With ``spread`` digits, a hash of the rank and index
+    comes first, so that one save's requests fan out over ``16**spread`` key ranges instead of
+    a run of sequential names (stores such as AWS S3 partition request rates by key range).
+    The hash leaves the nonce out, so that an object gets the same digits in every save: every
+    save spreads over its directory alike. It cannot go before the directory, the first part
+    that changes between saves (see docs/scaling.md): a save's objects live in its own.
     """
-    name = f"{rank:05d}-{index:03d}" + (f"-{nonce}" if nonce else "")
+    slot = f"{rank:05d}-{index:03d}"
+    name = slot + (f"-{nonce}" if nonce else "")
     if spread:
-        name = f"{hashlib.blake2b(name.encode(), digest_size=8).hexdigest()[:spread]}/{name}"
+        name = f"{hashlib.blake2b(slot.encode(), digest_size=8).hexdigest()[:spread]}/{name}"
     return f"data-{save_id}/{name}"
 
 

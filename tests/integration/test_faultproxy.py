@@ -40,6 +40,7 @@ from tests.faultproxy import (
     Fault,
     FaultProxy,
     LateApply,
+    RateLimit,
     ResetAfter,
     ResetBefore,
     ResetMidBody,
@@ -162,6 +163,44 @@ def test_late_apply_answers_an_error_and_applies_the_request_later(s3: S3Env, bu
             assert time.monotonic() < deadline, "the held request was never applied"
             time.sleep(0.05)
         assert s3.client.get_object(Bucket=bucket, Key="k")["Body"].read() == body
+
+
+def test_rate_limit_forwards_its_rate_and_refuses_the_rest_with_slowdown(
+    s3: S3Env, bucket: str
+) -> None:
+    """A burst of 5, then 20 requests/s: of 60 HEADs sent back to back, the first 5 and about
+    one per 50 ms pass; after a pause of half a second the bucket is full again: 5, not 10."""
+    s3.client.put_object(Bucket=bucket, Key="k", Body=b"x")
+    with FaultProxy(s3.endpoint_url) as proxy:
+        client = client_for(s3, proxy.endpoint_url)
+        rule = proxy.add_rule(RateLimit(20, burst=5), op=["HeadObject", "PutObject"])
+
+        def head() -> int:
+            try:
+                return int(client.head_object(Bucket=bucket, Key="k")["ContentLength"])
+            except ClientError as error:
+                assert error.response["ResponseMetadata"]["HTTPStatusCode"] == 503
+                return -1
+
+        began = time.monotonic()
+        answers = [head() for _ in range(60)]
+        elapsed = time.monotonic() - began
+        admitted = answers.count(1)
+        assert answers[:5] == [1] * 5 and answers.count(-1) == rule.fired
+        assert 5 <= admitted <= 5 + 20 * elapsed + 1, (admitted, elapsed)
+        assert rule.fired > 0 and rule.matched == 60 == proxy.requests["HeadObject"]
+        time.sleep(0.5)  # ten tokens' worth, of which the bucket holds five
+        began = time.monotonic()
+        answers = [head() for _ in range(10)]
+        refilled = 20 * (time.monotonic() - began)
+        assert answers[:5] == [1] * 5 and answers.count(1) <= 5 + refilled + 1, refilled
+        with pytest.raises(ClientError) as info:  # a refused PUT is not forwarded
+            client.put_object(Bucket=bucket, Key="refused", Body=b"y")
+        assert info.value.response["Error"]["Code"] == "SlowDown"
+        assert not exists(s3.client, bucket, "refused")
+        time.sleep(0.1)  # two tokens: the next PUT is forwarded
+        client.put_object(Bucket=bucket, Key="admitted", Body=b"y")
+        assert exists(s3.client, bucket, "admitted")
 
 
 def test_trickle_head_sends_the_response_head_slowly(s3: S3Env, bucket: str) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
+from collections import Counter
 
 import pytest
 
@@ -15,6 +17,7 @@ from s3ckpt.format.layout import (
     lease_key,
     new_save_id,
     rank_of,
+    save_dir,
     save_of,
     spread_digits,
 )
@@ -27,6 +30,35 @@ def test_spread_width_grows_with_the_number_of_objects() -> None:
     assert [spread_digits(n) for n in (1, 256, 257, 4096, 4097, 10**9)] == [2, 2, 3, 3, 4, 4]
     assert data_key(ID, 3, 1) == f"data-{ID}/00003-001"
     assert re.fullmatch(rf"data-{ID}/[0-9a-f]{{3}}/00003-001", data_key(ID, 3, 1, spread=3))
+
+
+def test_an_objects_hash_is_the_same_in_every_save() -> None:
+    """Of the rank and index, not of the per-save nonce: rank 3's object 1 takes the same key
+    range of its save's directory save after save, and the directory is still the save's."""
+    keys = [data_key(save, 3, 1, spread=3, nonce=n) for save in (ID, OTHER) for n in ("", "ab12cd")]
+    assert len({k.split("/")[1] for k in keys}) == 1
+    assert len(set(keys)) == 4, "still a key of its own per save and nonce"
+    for key in keys:
+        assert save_dir(f"run/step-1/{key}") == f"run/step-1/data-{save_of(key)}/"
+
+
+def test_the_hash_spreads_a_saves_objects_over_its_key_ranges() -> None:
+    """4,096 objects (1,024 ranks x 4) over 4,096 ranges: as a random draw would, about 63% of
+    the ranges used, none holding many."""
+    ranges = Counter(
+        data_key(ID, rank, index, spread=3, nonce="ab12cd").split("/")[1]
+        for rank in range(1024)
+        for index in range(4)
+    )
+    assert len(ranges) > 2400 and max(ranges.values()) <= 8, (len(ranges), max(ranges.values()))
+
+
+def test_keys_spread_by_the_earlier_hash_of_the_whole_name_still_are_a_saves() -> None:
+    """Objects written before the hash left the nonce out: removals must still know them."""
+    name = "00003-001-ab12cd"
+    old = f"data-{ID}/{hashlib.blake2b(name.encode(), digest_size=8).hexdigest()[:3]}/{name}"
+    assert old != data_key(ID, 3, 1, spread=3, nonce="ab12cd")
+    assert save_of(old) == ID and rank_of(old) == 3 and is_data_object(old)
 
 
 def test_the_rank_is_read_back_from_every_data_key_form() -> None:
