@@ -90,9 +90,12 @@ def test_an_overwrite_deletes_only_the_old_saves_data_objects(s3: Any, bucket: s
     raw = s3.client.get_object(Bucket=bucket, Key="run/step-1/.metadata")["Body"].read()
     record = json.loads(raw)
     old = sorted(record["objects"])
-    for key in ("nested/.metadata", "notes.txt", "data-notes/README"):
+    for n, key in enumerate(("nested/.metadata", "notes.txt", "data-notes/README")):
         record["objects"][key] = 1
         record["frames"][key] = FrameTable.raw(1024, [0], 1).to_json()
+        # Each object a record lists holds an item of it; a bytes item each here.
+        locator = {"key": key, "offset": 0, "length": 1}
+        record["state_dict"][f"crafted{n}"] = {"type": "bytes", "locator": locator}
     body = json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
     assert "nested/.metadata" in decode(body, url="crafted").objects  # a record s3ckpt reads
     s3.client.put_object(Bucket=bucket, Key="run/step-1/.metadata", Body=body)
