@@ -131,9 +131,14 @@ class S3Config:
             if not self.endpoint_url:
                 raise ConfigError("endpoint_url: give at least one URL")
             object.__setattr__(self, "endpoint_url", tuple(self.endpoint_url))
+        if isinstance(self.endpoint_url, str) and self.endpoint_url.startswith("memory://"):
+            return  # this process's `s3ckpt.engine.memory.MemoryStore` of that name
         for url in _urls(self.endpoint_url):
             if not url.startswith(("http://", "https://")):
-                raise ConfigError(f"endpoint_url must start with http:// or https://, got {url!r}")
+                raise ConfigError(
+                    f"endpoint_url must start with http:// or https:// (or be memory://NAME), "
+                    f"got {url!r}"
+                )
 
     def resolve(self, environ: dict[str, str] | None = None) -> ResolvedConfig:
         """Fill the gaps from the environment and the AWS config files, as the table above says."""

@@ -152,9 +152,41 @@ def seaweedfs(_isolated_aws_env: None) -> Iterator[S3Env]:
         )
 
 
+@pytest.fixture(scope="session")
+def memory() -> S3Env:
+    """s3ckpt's `MemoryStore` (``memory://tests``): for what does not test the wire. Its
+    backdoor client answers the boto3 calls the tests make from the store's own state."""
+    from s3ckpt.engine.memory import MemoryStore
+    from s3ckpt.engine.store import get_store
+    from tests.memclient import MemoryClient
+
+    url = "memory://tests"
+    store = get_store(S3Config(endpoint_url=url))
+    assert isinstance(store, MemoryStore)
+    return S3Env("memory", url, "memory", "memory", REGION, MemoryClient(store))  # type: ignore[arg-type]
+
+
+@pytest.hookimpl(tryfirst=True)  # before the fixture's own params are applied
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """``@pytest.mark.stores("memory")`` runs a test's ``s3`` on those stores instead of the
+    servers: tests of s3ckpt's logic, not of the wire, run on the memory store alone (the
+    conformance suite holds it to the servers' behaviour)."""
+    marker = metafunc.definition.get_closest_marker("stores")
+    if marker is None or "s3" not in metafunc.fixturenames:
+        return
+    for mark in metafunc.definition.iter_markers("parametrize"):
+        names = mark.args[0]
+        if "s3" in (names.split(",") if isinstance(names, str) else names):
+            return  # the test names its own servers
+    # As a marker, so that pytest's own hooks see a direct parametrization of ``s3``.
+    names = list(marker.args)
+    metafunc.definition.add_marker(pytest.mark.parametrize("s3", names, indirect=True, ids=names))
+
+
 @pytest.fixture(scope="session", params=SERVERS, ids=SERVERS)
 def s3(request: pytest.FixtureRequest) -> S3Env:
-    """Each test using it runs once per server; a server starts only when first needed."""
+    """Each test using it runs once per server (or per store its ``stores`` marker names); a
+    server starts only when first needed."""
     env: S3Env = request.getfixturevalue(request.param)
     return env
 

@@ -21,12 +21,16 @@ T = TypeVar("T")
 
 
 class AtLocation:
-    """A storage adapter for the checkpoint at ``location``, using the store for ``config``."""
+    """A storage adapter for the checkpoint at ``location``, using ``store`` if given (it works
+    in the process that made it), else the process's store for ``config``."""
 
-    def __init__(self, bucket: str, prefix: str, config: S3Config | None) -> None:
+    def __init__(
+        self, bucket: str, prefix: str, config: S3Config | None, store: ObjectStore | None = None
+    ) -> None:
         self.location = Location.of(bucket, prefix)
-        self.config = config or S3Config()
-        self._resolved: tuple[int, ObjectStore] | None = None
+        self.config = config or (store.config if store is not None else S3Config())
+        self._resolved = None if store is None else (os.getpid(), store)
+        self._given = store is not None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -65,6 +69,12 @@ class AtLocation:
         """The store, resolved once per adapter and process: resolving reads the environment
         and the AWS config files, too slow to repeat for every request of every save."""
         if self._resolved is None or self._resolved[0] != os.getpid():
+            if self._given:
+                raise ConfigError(
+                    f"{type(self).__name__} for {self.location.url} was given a store, which "
+                    "works only in the process that made it (not in a PROCESS-mode "
+                    "checkpointer or another rank's process): give it a config instead"
+                )
             self._resolved = (os.getpid(), get_store(self.config))
         return self._resolved[1]
 

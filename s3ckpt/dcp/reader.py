@@ -26,6 +26,7 @@ from torch.futures import Future
 from ..config import MiB, S3Config
 from ..engine import bridge
 from ..engine.bridge import gather_or_cancel
+from ..engine.contract import ObjectStore
 from ..errors import (
     CheckpointError,
     CheckpointReplaced,
@@ -69,6 +70,8 @@ class S3Reader(AtLocation, StorageReader):
             overlapping resharded reads) on one of them, which passes it on over a gloo group
             (`s3ckpt.dcp.exchange`): the store serves each byte once. ``False`` (or
             ``S3CKPT_SHARE_READS=0``) makes every rank read all it needs itself.
+        store: the `ObjectStore` to use instead of the one ``config`` resolves to (a wrapper,
+            or a `MemoryStore`); it works only in the process that made it.
 
     To handle a missing or broken checkpoint, call `check` first: it raises s3ckpt's typed
     error before DCP is involved::
@@ -96,9 +99,10 @@ class S3Reader(AtLocation, StorageReader):
         max_gap: int = 1 * MiB,
         trust_pickles: bool = False,
         share_reads: bool = True,
+        store: ObjectStore | None = None,
     ) -> None:
         StorageReader.__init__(self)
-        AtLocation.__init__(self, bucket, prefix, config)
+        AtLocation.__init__(self, bucket, prefix, config, store)
         self.max_gap = max_gap
         self.trust_pickles = trust_pickles
         self.share_reads = share_reads

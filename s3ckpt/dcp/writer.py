@@ -58,6 +58,7 @@ from torch.futures import Future
 from ..config import S3Config, WriteOptions
 from ..engine import bridge
 from ..engine.bridge import gather_or_cancel
+from ..engine.contract import ObjectStore
 from ..errors import CheckpointExists, ConfigError, IncompleteCheckpoint, S3CkptError
 from ..format import layout
 from ..format.digests import digest
@@ -103,6 +104,8 @@ class S3Writer(AtLocation, StorageWriter):
         full_every: with ``incremental``, reference only checkpoints of the same window of
             this many steps, so the first save of each window is full: one lost or damaged
             object then spoils at most one window's checkpoints, not the whole run's.
+        store: the `ObjectStore` to use instead of the one ``config`` resolves to (a wrapper,
+            or a `MemoryStore`); it works only in the process that made it.
     """
 
     _synchronize_after_execute = False
@@ -118,11 +121,12 @@ class S3Writer(AtLocation, StorageWriter):
         async_staging: bool = False,
         incremental: bool = False,
         full_every: int | None = None,
+        store: ObjectStore | None = None,
     ) -> None:
         if full_every is not None and (not incremental or full_every < 1):
             raise ConfigError(f"full_every needs incremental=True and >= 1, got {full_every}")
         StorageWriter.__init__(self)
-        AtLocation.__init__(self, bucket, prefix, config)
+        AtLocation.__init__(self, bucket, prefix, config, store)
         self.options = options or WriteOptions()
         self.overwrite = overwrite
         self.async_staging = async_staging

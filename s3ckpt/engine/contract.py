@@ -238,7 +238,8 @@ class ObjectStore(Protocol):
         ...
 
     async def abort(self, bucket: str, upload: Upload) -> bool:
-        """Abort a multipart upload; ``False`` if it was already gone."""
+        """Abort a multipart upload; ``False`` if it was already gone (where the server says
+        so: SeaweedFS answers success)."""
         ...
 
     async def delete(

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from ..config import ResolvedConfig, S3Config
 from ..errors import ObjectNotFound, StorageError
-from . import bridge, wire
+from . import bridge, memory, wire
 from .bodies import Body
 from .buffers import PartBuffers
 from .contract import ObjectStore, Payload
@@ -347,8 +347,11 @@ _stores: dict[ResolvedConfig, S3Store] = {}
 
 def get_store(config: S3Config | None = None) -> ObjectStore:
     """The process's store for ``config`` (default `S3Config()`, resolved against the current
-    environment)."""
-    resolved = (config or S3Config()).resolve()
+    environment); ``endpoint_url="memory://NAME"`` is the in-memory store of that name."""
+    config = config or S3Config()
+    if memory.is_memory(config):
+        return memory.named(config)
+    resolved = config.resolve()
     store = _stores.get(resolved)
     if store is None:
         store = _stores.setdefault(resolved, S3Store(resolved))

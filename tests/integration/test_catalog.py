@@ -25,6 +25,8 @@ from s3ckpt.tools.localserver import SeaweedFS
 from tests.conftest import S3Env, make_env
 from tests.helpers import listing, uploads_in_progress
 
+pytestmark = pytest.mark.stores("memory")  # not a wire test: see test_store_contract
+
 # Saved in this order, so step order (1, 2, 10) differs from creation order and from text order.
 COMMITTED_STEPS = (10, 1, 2)
 INCOMPLETE = "run/step-11"

@@ -17,6 +17,8 @@ from tests.conftest import Cli, S3Env
 from tests.helpers import listing, uploads_in_progress
 from tests.integration.test_catalog import INCOMPLETE, LEFTOVER, build_run
 
+pytestmark = pytest.mark.stores("memory")  # not a wire test: see test_store_contract
+
 
 class _Terminal(io.StringIO):
     """A stream that says it is a terminal."""
@@ -167,6 +169,7 @@ def test_errors_and_their_exit_codes(cli: Cli) -> None:
     assert cli()[0] == 2
 
 
+@pytest.mark.stores("moto", "seaweedfs")  # a subprocess: a real server
 def test_python_dash_m(s3: S3Env, bucket: str, run: Any) -> None:
     env = os.environ | {
         "AWS_ACCESS_KEY_ID": s3.access_key_id,

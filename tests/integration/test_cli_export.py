@@ -7,6 +7,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -15,6 +16,8 @@ from s3ckpt.config import MiB
 from s3ckpt.tools import catalog
 from tests.conftest import Cli, S3Env
 from tests.helpers import listing, uploads_in_progress
+
+pytestmark = pytest.mark.stores("memory")  # not a wire test: see test_store_contract
 
 
 def _state() -> dict[str, Any]:

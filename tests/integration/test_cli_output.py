@@ -24,6 +24,8 @@ from s3ckpt.config import S3Config
 from s3ckpt.tools.localserver import free_port
 from tests.conftest import Cli, S3Env
 
+pytestmark = pytest.mark.stores("memory")  # not a wire test: see test_store_contract
+
 _TIMEOUT_S = 120
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -14,6 +15,8 @@ from s3ckpt import CheckpointExists, S3Reader, S3Writer, WriteOptions
 from s3ckpt.config import MiB
 from s3ckpt.tools.catalog import gc
 from tests.helpers import listing, raised, uploads_in_progress
+
+pytestmark = pytest.mark.stores("memory")  # not a wire test: see test_store_contract
 
 SMALL_PARTS = {"part_size": 5 * MiB, "multipart_threshold": 5 * MiB, "max_concurrency": 2}
 

@@ -15,6 +15,8 @@ from s3ckpt.format.frames import RAW
 from s3ckpt.tools.verify import verify
 from tests.helpers import listing, raised
 
+pytestmark = pytest.mark.stores("memory")  # not a wire test: see test_store_contract
+
 FRAME = 256 * 1024
 PARTS = {"part_size": 5 * MiB, "multipart_threshold": 5 * MiB}
 

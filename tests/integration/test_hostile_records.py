@@ -32,6 +32,8 @@ from s3ckpt.tools import catalog
 from s3ckpt.tools.verify import verify
 from tests.helpers import peak_growth, raised
 
+pytestmark = pytest.mark.stores("memory")  # not a wire test: see test_store_contract
+
 GiB = 1 << 30
 # Far below the claims (3 GiB and up), far above what reading a tiny checkpoint costs.
 _MAX_GROWTH_MB = 200
@@ -311,6 +313,7 @@ state = {{f"w{{i}}": torch.zeros(size // 4) for i, size in enumerate({sizes})}}
 """
 
 
+@pytest.mark.stores("seaweedfs")  # measured in a child process: a real server
 def test_a_frame_decodes_straight_into_its_tensor(s3: Any, bucket: str) -> None:
     """A 256 MiB tensor stored as one 8 KB frame loads with a few MiB beside its destination;
     decoded into a buffer of its own first, it cost its whole size again (a 98 KB frame of
@@ -323,6 +326,7 @@ def test_a_frame_decodes_straight_into_its_tensor(s3: Any, bucket: str) -> None:
     assert peak.growth < 64 * MiB, peak
 
 
+@pytest.mark.stores("seaweedfs")  # measured in a child process: a real server
 def test_a_frame_header_that_claims_more_than_the_record_allocates_nothing(
     s3: Any, bucket: str
 ) -> None:
@@ -338,6 +342,7 @@ def test_a_frame_header_that_claims_more_than_the_record_allocates_nothing(
     assert peak.growth < 64 * MiB, peak
 
 
+@pytest.mark.stores("seaweedfs")  # measured in a child process: a real server
 def test_export_holds_a_batch_of_tensors_not_the_state(
     s3: Any, bucket: str, tmp_path: Path
 ) -> None:
@@ -378,6 +383,7 @@ def _decoded_in_a_child(s3: Any, bucket: str, body: bytes, command: str, exits: 
     return peak.growth
 
 
+@pytest.mark.stores("seaweedfs")  # measured in a child process: a real server
 @pytest.mark.parametrize("command", ["info", "ls"])
 def test_a_dense_record_costs_a_bounded_multiple_of_its_size(
     s3: Any, bucket: str, command: str
@@ -392,6 +398,7 @@ def test_a_dense_record_costs_a_bounded_multiple_of_its_size(
     assert growth < MEMORY_BOUND * len(body), growth
 
 
+@pytest.mark.stores("seaweedfs")  # measured in a child process: a real server
 def test_a_valid_record_of_the_densest_kind_costs_under_its_bound(s3: Any, bucket: str) -> None:
     """A tensor of 300,000 one-element chunks (16 MiB of record, s3ckpt's tiniest chunk, the
     costliest valid content found): ``info`` reads it within `MEMORY_BOUND` times its size

@@ -30,6 +30,8 @@ from s3ckpt.tools.catalog import delete, describe, gc, prune, read_state
 from s3ckpt.tools.verify import verify
 from tests.helpers import listing, raised
 
+pytestmark = pytest.mark.stores("memory")  # not a wire test: see test_store_contract
+
 PARTS = {"part_size": 5 * MiB, "multipart_threshold": 5 * MiB}
 
 

@@ -16,6 +16,8 @@ from s3ckpt.tools.verify import verify
 from tests.faultproxy import Corrupt, FaultProxy
 from tests.helpers import raised
 
+pytestmark = pytest.mark.stores("memory")  # not a wire test: see test_store_contract
+
 FRAME = 16 * 1024
 
 
@@ -67,6 +69,7 @@ def test_a_flipped_byte_fails_full_and_partial_loads_and_verify(s3: Any, bucket:
     assert torch.equal(spared["spared"], state["spared"])
 
 
+@pytest.mark.stores("moto", "seaweedfs")  # through the fault proxy
 def test_damage_in_transit_is_retried_and_the_load_is_exact(s3: Any, bucket: str) -> None:
     state = saved_checkpoint(s3, bucket)
     with FaultProxy(s3.endpoint_url) as proxy:

@@ -24,6 +24,8 @@ from tests.conftest import Cli, S3Env
 from tests.helpers import listing, raised
 from tests.integration.test_crash import kill_mid_upload
 
+pytestmark = pytest.mark.stores("memory")  # not a wire test: see test_store_contract
+
 STEPS = (100, 300, 200)  # saved in this order: the latest is not the last written
 RUN = "run7"
 NESTED = "team/run8/step-5"
@@ -156,6 +158,7 @@ def test_a_record_from_an_older_writer_lists_and_shows_dashes(
     assert code == 0 and out.splitlines()[1].split()[-2:] == ["-", "committed"]
 
 
+@pytest.mark.stores("moto", "seaweedfs")  # other processes: a real server
 @pytest.mark.slow
 def test_a_killed_save_counts_the_bytes_of_its_uploads(s3: S3Env, bucket: str, cli: Cli) -> None:
     url = f"s3://{bucket}/run/step-2"
@@ -225,6 +228,7 @@ def test_verify_prune_and_gc_show_progress_on_a_terminal(
     assert "%" not in terminal.getvalue()
 
 
+@pytest.mark.stores("moto", "seaweedfs")  # a subprocess: a real server
 def test_the_light_commands_import_no_torch(s3: S3Env, bucket: str, runs: None) -> None:
     url = f"s3://{bucket}/{NESTED}"
     commands = [

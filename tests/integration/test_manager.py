@@ -37,6 +37,8 @@ from s3ckpt.tools.retention import step_name
 from tests import manager_workers
 from tests.helpers import listing, raised
 
+pytestmark = pytest.mark.stores("memory")  # not a wire test: see test_store_contract
+
 RUN = "run"
 
 
@@ -415,6 +417,7 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+@pytest.mark.stores("moto", "seaweedfs")  # other processes: a real server
 @pytest.mark.slow
 def test_resume_on_two_ranks_from_one_and_back(s3: Any, bucket: str) -> None:
     url = f"s3://{bucket}/{RUN}"
@@ -440,6 +443,7 @@ def test_resume_on_two_ranks_from_one_and_back(s3: Any, bucket: str) -> None:
     manager_workers.assert_model_is(model, manager_workers.reference(5))
 
 
+@pytest.mark.stores("moto", "seaweedfs")  # other processes: a real server
 @pytest.mark.slow
 def test_sigterm_mid_training_leaves_a_checkpoint_of_the_step_it_arrived_at(
     s3: Any, bucket: str

@@ -16,6 +16,8 @@ from s3ckpt.tools import catalog
 from tests.conftest import Cli, S3Env
 from tests.helpers import listing
 
+pytestmark = pytest.mark.stores("memory")  # not a wire test: see test_store_contract
+
 STEPS = range(1, 13)
 
 

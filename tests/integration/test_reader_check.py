@@ -24,6 +24,8 @@ from s3ckpt import (
 )
 from s3ckpt.tools.localserver import free_port
 
+pytestmark = pytest.mark.stores("memory")  # not a wire test: see test_store_contract
+
 STATE = {"w": torch.arange(10.0)}
 
 

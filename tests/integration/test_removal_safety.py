@@ -21,6 +21,8 @@ from s3ckpt.tools.catalog import delete, gc, latest, list_checkpoints, prune
 from tests.faultproxy import Delay, FaultProxy
 from tests.helpers import listing
 
+pytestmark = pytest.mark.stores("memory")  # not a wire test: see test_store_contract
+
 SMALL_PARTS = {"part_size": 5 * MiB, "multipart_threshold": 5 * MiB, "max_concurrency": 4}
 
 
@@ -79,6 +81,7 @@ def during_a_slow_save(
     return result
 
 
+@pytest.mark.stores("moto", "seaweedfs")  # through the fault proxy
 def test_gc_during_a_save_leaves_it_alone(s3: Any, bucket: str) -> None:
     saved = state(1)
     url = f"s3://{bucket}/ck"
@@ -93,6 +96,7 @@ def test_gc_during_a_save_leaves_it_alone(s3: Any, bucket: str) -> None:
     assert after.deleted == () and after.skipped == ()
 
 
+@pytest.mark.stores("moto", "seaweedfs")  # through the fault proxy
 def test_prune_during_an_overwriting_save_leaves_the_save_alone(s3: Any, bucket: str) -> None:
     save(s3, bucket, "run/step-1", state(1))
     save(s3, bucket, "run/step-2", state(2))
@@ -165,6 +169,7 @@ def test_gc_and_prune_never_delete_what_they_cannot_read(s3: Any, bucket: str) -
     assert_loads(s3, bucket, "run/step-1", state(1))
 
 
+@pytest.mark.stores("moto", "seaweedfs")  # through the fault proxy
 def test_rm_during_a_save_leaves_it_alone(s3: Any, bucket: str) -> None:
     saved = state(4)
     url = f"s3://{bucket}/ck"

@@ -16,6 +16,8 @@ from s3ckpt.config import MiB
 from s3ckpt.engine.store import get_store
 from tests.helpers import listing
 
+pytestmark = pytest.mark.stores("memory")  # not a wire test: see test_store_contract
+
 SMALL_PARTS = {"part_size": 5 * MiB, "multipart_threshold": 5 * MiB, "max_concurrency": 4}
 
 
@@ -95,6 +97,7 @@ def test_views_store_only_their_own_elements(s3: Any, bucket: str) -> None:
     assert_same(loaded, {k: v.clone() for k, v in state.items()})
 
 
+@pytest.mark.stores("moto", "seaweedfs")  # the wire
 def test_tensor_spanning_many_parts(s3: Any, bucket: str) -> None:
     config = s3.config(**SMALL_PARTS)
     state = {"w": torch.randn(23 * MiB // 4 + 3), "b": torch.randn(10)}
@@ -198,6 +201,7 @@ def test_prefix_at_bucket_root_or_deep(s3: Any, bucket: str, prefix: str) -> Non
     assert torch.equal(loaded["x"], state["x"])
 
 
+@pytest.mark.stores("moto", "seaweedfs")  # the wire
 def test_standard_aws_environment_needs_no_code(
     s3: Any, bucket: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -212,6 +216,7 @@ def test_standard_aws_environment_needs_no_code(
     assert torch.equal(loaded["x"], state["x"])
 
 
+@pytest.mark.stores("moto", "seaweedfs")  # the wire
 def test_named_profile_from_aws_files(
     s3: Any, bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -17,6 +17,8 @@ from s3ckpt.format.record import decode
 from s3ckpt.tools.catalog import delete, gc
 from tests.helpers import listing
 
+pytestmark = pytest.mark.stores("memory")  # not a wire test: see test_store_contract
+
 # Someone else's files: in directories that start with "data-", and one inside a committed
 # checkpoint's folder.
 FOREIGN = [

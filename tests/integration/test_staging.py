@@ -6,11 +6,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from s3ckpt import S3Reader, S3Writer
+
+pytestmark = pytest.mark.stores("memory")  # not a wire test: see test_store_contract
 
 
 def load(s3: Any, url: str, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -22,6 +22,8 @@ from s3ckpt import CheckpointError, S3Reader, S3Writer, UnsafeCheckpoint
 from tests.conftest import Cli, S3Env
 from tests.helpers import raised
 
+pytestmark = pytest.mark.stores("memory")  # not a wire test: see test_store_contract
+
 
 class _RunsCode:
     """Unpickling it touches ``marker``: a stand-in for whatever a hostile checkpoint would run."""
