@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
 import os
@@ -250,34 +249,22 @@ async def _put_record(
     retried, a PUT whose answers are lost would be resent for the whole retry window.
     """
     bucket, key = location.bucket, location.metadata_key
-    once = dataclasses.replace(store.retry, max_attempts=1)
-    doubts: list[StorageError] = []
-
-    def failed(error: StorageError) -> None:
-        if may_have_applied(error):
-            doubts.append(error)
-
-    async def put(retry: RetryPolicy | None) -> None:
-        await store.put(
-            bucket, key, record, if_none_match=not overwrite, retry=retry, on_failure=failed
-        )
-
-    try:
-        await put(once)
+    first = await store.try_put(bucket, key, record, if_none_match=not overwrite, once=True)
+    if first.error is None:
         return None
-    except StorageError as e:
-        error = e
+    error = first.error
+    doubts = [e for e in first.failures if may_have_applied(e)]
     if doubts or isinstance(error, PreconditionFailed):
         with contextlib.suppress(S3CkptError):  # resolved below, with retries
-            if await _read_back(store, location, once) == record:
+            if await _read_back(store, location, store.retry.once()) == record:
                 _log_read_back(location, error)
                 return None
-    if store.retry.should_retry(error, 1, 0.0):
-        try:
-            await put(None)
+    if first.retriable:
+        again = await store.try_put(bucket, key, record, if_none_match=not overwrite, once=False)
+        if again.error is None:
             return None
-        except StorageError as e:
-            error = e
+        error = again.error
+        doubts += [e for e in again.failures if may_have_applied(e)]
     how = (
         f"No data was deleted. `s3ckpt info {location.url}` shows save id {save_id} if this "
         "save committed; otherwise `s3ckpt gc` removes its objects (it keeps whatever a "

@@ -23,6 +23,7 @@ __all__ = [
     "Blob",
     "Listing",
     "ObjectStore",
+    "Outcome",
     "Part",
     "Payload",
     "Stats",
@@ -75,6 +76,17 @@ class Blob:
 
     data: bytes
     etag: str | None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a PUT did: ``error`` is None if it succeeded; ``failures`` are its failed attempts
+    as the server answered each; ``retriable`` says whether the store's retry policy would
+    send it again after ``error``."""
+
+    error: StorageError | None
+    failures: tuple[StorageError, ...] = ()
+    retriable: bool = False
 
 
 @dataclass
@@ -203,11 +215,23 @@ class ObjectStore(Protocol):
         *,
         if_none_match: bool = False,
         retry: RetryPolicy | None = None,
-        on_failure: Callable[[StorageError], None] | None = None,
     ) -> None:
         """One PutObject; ``if_none_match`` makes it fail (PreconditionFailed) if the key
-        exists. ``retry`` replaces the store's policy; ``on_failure`` sees every failed
-        attempt (the commit asks whether any may have been applied)."""
+        exists. ``retry`` replaces the store's policy."""
+        ...
+
+    async def try_put(
+        self,
+        bucket: str,
+        key: str,
+        body: bytes | bytearray | memoryview,
+        *,
+        if_none_match: bool,
+        once: bool,
+    ) -> Outcome:
+        """`put` that reports instead of raising: a single attempt if ``once``, else the
+        store's policy. For the commit, which judges from every failed attempt whether the
+        PUT may have been applied before it sends it again."""
         ...
 
     async def upload(self, bucket: str, key: str, payload: Payload) -> None:

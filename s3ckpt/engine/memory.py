@@ -33,7 +33,7 @@ from ..errors import (
     StorageError,
 )
 from .buffers import Scatter
-from .contract import Blob, Listing, Part, Payload, Stats, StoredObject, Upload
+from .contract import Blob, Listing, Outcome, Part, Payload, Stats, StoredObject, Upload
 from .retry import RetryPolicy
 
 __all__ = ["MemoryStore", "is_memory", "named"]
@@ -213,13 +213,27 @@ class MemoryStore:
         *,
         if_none_match: bool = False,
         retry: RetryPolicy | None = None,
-        on_failure: Callable[[StorageError], None] | None = None,
     ) -> None:
         if if_none_match and key in self._bucket(bucket, "put_object", key):
             raise self._error(
                 PreconditionFailed, "put_object", bucket, key, "PreconditionFailed", 412
             )
         self._store(bucket, key, bytes(body))
+
+    async def try_put(
+        self,
+        bucket: str,
+        key: str,
+        body: bytes | bytearray | memoryview,
+        *,
+        if_none_match: bool,
+        once: bool,
+    ) -> Outcome:
+        try:
+            await self.put(bucket, key, body, if_none_match=if_none_match)
+        except StorageError as e:
+            return Outcome(e, (e,))
+        return Outcome(None)
 
     async def upload(self, bucket: str, key: str, payload: Payload) -> None:
         if payload.size <= self._config.multipart_threshold:

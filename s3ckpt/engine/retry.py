@@ -28,6 +28,7 @@ met them may have taken most of it (a long body, cut at its deadline).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 
@@ -99,6 +100,11 @@ class RetryPolicy:
     deadline: float
     rng: random.Random = field(default_factory=random.Random)
     never: frozenset[str] = frozenset()  # codes not to retry here, even if transient
+
+    def once(self) -> RetryPolicy:
+        """This policy with a single attempt: for a caller that decides itself what a failure
+        means (the commit, which must not resend a PUT that may have been applied)."""
+        return dataclasses.replace(self, max_attempts=1)
 
     def delay(self, attempt: int, elapsed: float = 0.0) -> float:
         """Seconds to wait after failed attempt number ``attempt`` (1-based), ``elapsed`` seconds

@@ -23,7 +23,7 @@ from ..errors import ObjectNotFound, StorageError
 from . import bridge, memory, wire
 from .bodies import Body
 from .buffers import PartBuffers
-from .contract import ObjectStore, Payload
+from .contract import ObjectStore, Outcome, Payload
 from .downloads import Downloads
 from .retry import RetryPolicy
 
@@ -63,6 +63,29 @@ class S3Store(Downloads):
             retry=retry,
             on_failure=on_failure,
         )
+
+    async def try_put(
+        self,
+        bucket: str,
+        key: str,
+        body: bytes | bytearray | memoryview,
+        *,
+        if_none_match: bool,
+        once: bool,
+    ) -> Outcome:
+        failures: list[StorageError] = []
+        try:
+            await self.put(
+                bucket,
+                key,
+                body,
+                if_none_match=if_none_match,
+                retry=self.retry.once() if once else None,
+                on_failure=failures.append,
+            )
+        except StorageError as e:
+            return Outcome(e, tuple(failures), self.retry.should_retry(e, 1, 0.0))
+        return Outcome(None, tuple(failures))
 
     async def _put(
         self,
