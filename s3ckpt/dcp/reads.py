@@ -12,12 +12,12 @@ import asyncio
 from collections.abc import Callable, Mapping, Sequence
 
 from ..engine.bridge import gather_or_cancel
-from ..engine.buffers import Scatter
 from ..engine.contract import ObjectStore
 from ..errors import StorageError
 from ..format import frames
 from ..format.frames import FrameTable
 from ..format.readplan import Fetch, Target, destinations
+from ..scatter import Scatter
 
 __all__ = ["run_all", "run_fetch"]
 

@@ -17,7 +17,7 @@ import botocore.exceptions
 
 from ..checksums import Checksums, StreamCheck
 from ..errors import ChecksumMismatch, StorageError
-from .buffers import Scatter
+from ..scatter import Scatter
 from .calls import Calls, Deadline, etag_of
 from .contract import Blob
 from .retry import RetryPolicy

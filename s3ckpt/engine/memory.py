@@ -32,7 +32,7 @@ from ..errors import (
     PreconditionFailed,
     StorageError,
 )
-from .buffers import Scatter
+from ..scatter import Scatter
 from .contract import Blob, Listing, Outcome, Part, Payload, Stats, StoredObject, Upload
 from .retry import RetryPolicy
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import random
 
-from s3ckpt.engine.buffers import PartBuffers, Scatter
+from s3ckpt.engine.buffers import PartBuffers
+from s3ckpt.scatter import Scatter
 
 
 def test_scatter_routes_every_wanted_byte_whatever_the_chunking() -> None:
