@@ -36,8 +36,7 @@ import socket
 from collections.abc import AsyncIterator, Iterable, Mapping
 
 from ..engine.bridge import gather_or_cancel
-from ..engine.contract import ObjectStore
-from ..engine.retry import RetryPolicy
+from ..engine.contract import ObjectStore, RetryPolicy
 from ..errors import (
     CheckpointExists,
     CommitOutcomeUnknown,

@@ -16,8 +16,7 @@ from datetime import datetime, timedelta
 from typing import NamedTuple
 
 from ..engine.bridge import gather_or_cancel
-from ..engine.contract import ObjectStore, StoredObject, Upload
-from ..engine.retry import RetryPolicy
+from ..engine.contract import ObjectStore, RetryPolicy, StoredObject, Upload
 from ..errors import CheckpointNotFound, IncompleteCheckpoint, MetadataError, ObjectNotFound
 from ..format import layout
 from ..format.layout import Location

@@ -26,6 +26,7 @@ __all__ = [
     "Outcome",
     "Part",
     "Payload",
+    "RetryPolicy",
     "Stats",
     "StoredObject",
     "Upload",

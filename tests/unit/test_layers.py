@@ -23,6 +23,23 @@ ALLOWED = {
     "top": {"dcp", "tools", "cli"},  # s3ckpt/__init__.py (the public names) and __main__.py
 }
 ENGINE_PRIVATE = {"_call", "_retrying", "_client", "_semaphore", "_abort_quietly"}
+# The engine's doors (docs/architecture.md): the contract, the loop bridge, the store resolver
+# and the in-memory store. Nothing above the engine imports any other module of it.
+ENGINE_DOORS = {
+    "s3ckpt.engine.contract",
+    "s3ckpt.engine.bridge",
+    "s3ckpt.engine.store",
+    "s3ckpt.engine.memory",
+}
+# The format is pure (no I/O); these of its modules turn tensors into bytes and DCP's types
+# into records, so they import torch. The others must not: the light commands never load it.
+FORMAT_WITH_TORCH = {
+    "s3ckpt.format.tensorbytes",
+    "s3ckpt.format.digests",
+    "s3ckpt.format.packing",
+    "s3ckpt.format.record.encoder",
+    "s3ckpt.format.record.torchmeta",
+}
 
 
 def module_name(path: Path) -> str:
@@ -89,6 +106,50 @@ def test_nothing_outside_the_engine_reaches_into_it(path: Path) -> None:
         if ".engine." in name and name.rpartition(".")[2].startswith("_")
     ]
     assert not private, f"{module_name(path)} uses the engine's private {sorted(set(private))}"
+
+
+def module_of(name: str) -> str:
+    """The module an imported name lives in: ``s3ckpt.engine.store.get_store`` is
+    ``s3ckpt.engine.store``."""
+    parts = name.split(".")
+    while len(parts) > 1:
+        base = PACKAGE.parent.joinpath(*parts)
+        if base.with_suffix(".py").exists() or (base / "__init__.py").exists():
+            break
+        parts.pop()
+    return ".".join(parts)
+
+
+@pytest.mark.parametrize(
+    "path", [p for p in SOURCES if layer(module_name(p)) != "engine"], ids=module_name
+)
+def test_the_engine_is_entered_only_by_its_doors(path: Path) -> None:
+    entered = {
+        (module_of(name), getattr(node, "lineno", 0))
+        for name, node in imports(path)
+        if module_of(name).startswith("s3ckpt.engine.") or module_of(name) == "s3ckpt.engine"
+    }
+    stray = sorted((m, line) for m, line in entered if m not in ENGINE_DOORS)
+    assert not stray, f"{module_name(path)} imports engine modules that are not doors: {stray}"
+
+
+@pytest.mark.parametrize(
+    "path", [p for p in SOURCES if layer(module_name(p)) == "format"], ids=module_name
+)
+def test_only_the_documented_format_modules_import_torch(path: Path) -> None:
+    tree = ast.parse(path.read_text())
+    top_level = [
+        node
+        for node in tree.body
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        and any(
+            (alias.name if isinstance(node, ast.Import) else node.module or "").split(".")[0]
+            == "torch"
+            for alias in node.names
+        )
+    ]
+    if module_name(path) not in FORMAT_WITH_TORCH:
+        assert not top_level, f"{module_name(path)} imports torch at its top"
 
 
 def test_the_layers_are_as_documented() -> None:
