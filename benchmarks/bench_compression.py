@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, cast
 from unittest import mock
 
 import torch
@@ -273,7 +273,7 @@ def train_adam(
         hidden = bert_hidden(params, inputs)[chosen]
         loss = F.cross_entropy(hidden @ vocab.t(), labels[chosen])
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch leaves it untyped
         optimizer.step()
         losses.append(float(loss.detach()))
         if step % 50 == 0 or step == how.steps - 1:
@@ -377,7 +377,9 @@ def _timed(run: Callable[..., T], *args: Any, **kwargs: Any) -> tuple[float, T]:
     return time.perf_counter() - started, result
 
 
-def _map(pool: ThreadPoolExecutor | None, fn: Callable[[Any], Any], items: Sequence[Any]) -> list:
+def _map(
+    pool: ThreadPoolExecutor | None, fn: Callable[[Any], Any], items: Sequence[Any]
+) -> list[Any]:
     return [fn(x) for x in items] if pool is None else list(pool.map(fn, items))
 
 
@@ -555,7 +557,9 @@ class E2E:
             prefix,
             config=config,
             overwrite=True,
-            options=WriteOptions(frame_size=self.frame_size, compression=compression),
+            options=WriteOptions(
+                frame_size=self.frame_size, compression=cast(Literal["zstd"] | None, compression)
+            ),
         )
 
     def _reader(self, prefix: str) -> S3Reader:
@@ -781,7 +785,9 @@ def e2e_table(e2e: dict[str, Any]) -> str:
     return format_table(headers, rows)
 
 
-def goals(codec: dict[str, dict[str, dict[str, Any]]], e2e: dict[str, Any] | None) -> list[dict]:
+def goals(
+    codec: dict[str, dict[str, dict[str, Any]]], e2e: dict[str, Any] | None
+) -> list[dict[str, Any]]:
     """The targets this benchmark reports against, each with what was measured."""
     default, plain = SETTINGS[1].name, SETTINGS[0].name
     out: list[dict[str, Any]] = []

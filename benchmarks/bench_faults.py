@@ -350,6 +350,7 @@ def kill_mid_save(
             time.sleep(0.05)
         if not process.is_alive():
             raise RuntimeError(f"the save to be killed ended first (exit {process.exitcode})")
+        assert process.pid is not None  # alive, so started
         os.kill(process.pid, signal.SIGKILL)
     finally:
         process.join(timeout=30)

@@ -129,7 +129,8 @@ class PeerBench:
         # compares every loaded tensor; the timed repetitions go straight to the server, since
         # a Python relay on the same two cores would slow every system down.
         self.counting_proxy = proxy_url
-        self.target, self.proxy = self.direct, None
+        self.target = self.direct
+        self.proxy: str | None = None
         self.runs: dict[str, dict[str, dict[str, list[dict[str, Any]]]]] = {}
         self.checks: dict[str, dict[str, dict[str, list[dict[str, Any]]]]] = {}
         self.failures: list[str] = []
@@ -354,8 +355,8 @@ class PeerBench:
     def _set_tuned(self, part: int, concurrency: int) -> None:
         self.tuned = (part, concurrency)
         tuned = {"tuned_part_size": part * MiB, "tuned_concurrency": concurrency}
-        self.direct = dataclasses.replace(self.direct, **tuned)
-        self.target = dataclasses.replace(self.target, **tuned)
+        self.direct = dataclasses.replace(self.direct, **tuned)  # type: ignore[arg-type]
+        self.target = dataclasses.replace(self.target, **tuned)  # type: ignore[arg-type]
 
 
 def _merge_ranks(ranks: list[dict[str, Any]]) -> dict[str, Any]:

@@ -128,12 +128,13 @@ def _measure(
         "client_retries": store.stats.retries,
         "client_throttled": store.stats.throttled,
     }
+    share, ratio = row["refused_share"], row["time_ratio"]
     row["goals_met"] = bool(
         row["ok"]
-        and row["refused_share"] is not None
-        and row["refused_share"] <= GOAL_REFUSED
-        and row["time_ratio"] is not None
-        and row["time_ratio"] <= GOAL_TIME
+        and isinstance(share, float)
+        and share <= GOAL_REFUSED
+        and isinstance(ratio, float)
+        and ratio <= GOAL_TIME
     )
     print(_line(row), flush=True)
     return row

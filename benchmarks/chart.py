@@ -105,7 +105,9 @@ def _speed(summary: dict[str, Any], system: str, workload: str, op: str) -> floa
     return float(value) if value else None
 
 
-def report(bench: Any, args: Any, machine: dict[str, Any], ep: Any, started: float) -> dict:
+def report(
+    bench: Any, args: Any, machine: dict[str, Any], ep: Any, started: float
+) -> dict[str, Any]:
     summary = summarize(bench.runs, bench.checks)
     return {
         "machine": machine,

@@ -118,7 +118,7 @@ def _weed_pid() -> int | None:
     for child in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.Error):
             if child.name() == "weed":
-                return child.pid
+                return int(child.pid)
     return None
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import multiprocessing
 import random
 import threading
@@ -103,7 +104,7 @@ def _aftermath(
     }
 
 
-def _row(name: str, fault: str, save: Outcome | None, **rest: Any) -> dict:
+def _row(name: str, fault: str, save: Outcome | None, **rest: Any) -> dict[str, Any]:
     """One scenario's row; ``expect`` names the error a correct save raises (then it counts as
     the right outcome, not a failure)."""
     load, expect = rest.pop("load", None), rest.pop("expect", None)
@@ -308,14 +309,16 @@ def run_scenarios(
             if phase == "load":
                 _save(direct, bucket, p, one)
             rule = proxy.add_rule(Status(503, "SlowDown"), for_seconds=5.0)
-            save = _timed(lambda p=p: _save(config, bucket, p, one)) if phase == "save" else None
-            load = _timed(lambda p=p: _loads_as(config, bucket, p, one))
+            saved: Outcome | None = None
+            if phase == "save":
+                saved = _timed(functools.partial(_save, config, bucket, p, one))
+            load = _timed(functools.partial(_loads_as, config, bucket, p, one))
             proxy.clear_rules()
             rows.append(
                 _row(
                     f"brownout 5 s, {phase}",
                     f"every request answered 503 SlowDown for 5 s ({rule.fired} requests)",
-                    save,
+                    saved,
                     load=load,
                     **_aftermath(client, direct, bucket, p, one),
                 )

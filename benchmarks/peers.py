@@ -166,16 +166,18 @@ class S3TorchConnectorAdapter(Adapter):
     def writer(self) -> StorageWriter:
         from s3torchconnector.dcp import S3StorageWriter
 
-        return S3StorageWriter(
+        writer: StorageWriter = S3StorageWriter(
             self.target.region, self.checkpoint_id("unused"), s3client_config=self._config()
         )
+        return writer
 
     def reader(self) -> StorageReader:
         from s3torchconnector.dcp import S3StorageReader
 
-        return S3StorageReader(
+        reader: StorageReader = S3StorageReader(
             self.target.region, self.checkpoint_id("unused"), s3client_config=self._config()
         )
+        return reader
 
 
 class FsspecAdapter(Adapter):

@@ -46,7 +46,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Literal
+from typing import Literal, cast
 from urllib.parse import parse_qsl, unquote, urlsplit
 from xml.sax.saxutils import escape
 
@@ -754,7 +754,7 @@ class FaultProxy:
         connections to the old one break as the old server's would."""
         upstream = urlsplit(upstream_url)
         with self._lock:
-            self._upstream = (upstream.hostname, upstream.port)
+            self._upstream = (upstream.hostname or "127.0.0.1", upstream.port or 80)
 
     @property
     def requests(self) -> Counter[str]:
@@ -884,7 +884,7 @@ class FaultProxy:
             return keep_alive
         if isinstance(action, LateApply):
             held = _Collect()
-            await _relay_body(reader, held, body)
+            await _relay_body(reader, cast(asyncio.StreamWriter, held), body)  # a stand-in
             writer.write(_error_response(action.status, method, target, keep_alive))
             await writer.drain()
             late = asyncio.ensure_future(
