@@ -316,7 +316,7 @@ def _rank_run(rank: int, point: Point) -> dict[str, Any]:
     # A training job saves repeatedly: start the client and settle the bucket's checksum
     # probe before measuring, so the counts are those of a steady-state save.
     bridge.run(store.check_bucket(point.bucket))
-    bridge.run(store.wire_mode(point.bucket, f"{point.prefix}/warmup-{rank}"))
+    bridge.run(store.wire_mode(point.bucket, f"{point.prefix}/warmup-{rank}"))  # type: ignore[attr-defined]  # S3Store's
     encodes: list[tuple[float, float, int]] = []
     install_encode_timer(encodes)
     build_started = time.perf_counter()
@@ -538,7 +538,7 @@ def delete_prefix(config: S3Config, bucket: str, prefix: str) -> None:
 def default_timeout(point: Point) -> float:
     """Generous on a loaded 2-core machine, yet a hang cannot stall the run."""
     info = _describe(point)
-    return 180.0 + 0.005 * info["chunks"] + 90.0 * info["bytes_total"] / 2**30
+    return float(180.0 + 0.005 * info["chunks"] + 90.0 * info["bytes_total"] / 2**30)
 
 
 def plan_points(args: argparse.Namespace, config: S3Config, root: str) -> list[Point]:

@@ -321,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table(["interval", "in-run lost %", "in-run lost s"], rows))
         under = [p["interval"] for p in sweep if (p["in_run_fraction"] or 1) < _LOST_GOAL]
         print(f"shortest interval under {100 * _LOST_GOAL:.0f}% lost: {min(under, default='-')}")
-    report = {"args": {k: str(v) for k, v in vars(args).items()}, "machine": machine}
+    report: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
+    report["machine"] = machine
     report |= {"server_pinned": pinned, "runs": runs, "summary": summary, "sweep": sweep}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2))

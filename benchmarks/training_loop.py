@@ -133,7 +133,7 @@ class _Raw:
                 buffer = self.buffers[name] = torch.empty_like(tensor, device="cpu")
             buffer.copy_(tensor)
         views = {
-            f"{prefix}/{name}": memoryview(b.view(-1).view(torch.uint8).numpy())
+            f"{prefix}/{name}": memoryview(b.view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
             for name, b in self.buffers.items()
         }
         self.pending = self._submit(self.client.upload(self.bucket, views))
