@@ -1,13 +1,13 @@
 """Fault benchmark: save/load cycles while 10% of all requests fail, then the same without faults.
 
-A `FaultProxy` (tests/faultproxy.py) sits between s3ckpt and the server. In the faulty phase every
-request, whatever its operation, fails with probability ``--fault-rate``, spread evenly over a
+A `FaultProxy` (`s3ckpt.testing.faultproxy`) sits between s3ckpt and the server. In the faulty phase
+every request, whatever its operation, fails with probability ``--fault-rate``, spread evenly over a
 500, a 503 SlowDown, a reset before forwarding, a reset in the middle of the response body and a
 cleanly truncated body. Each cycle saves with ``overwrite=True`` to one prefix, loads it back and
 compares bit for bit. The clean phase repeats the cycles through the same proxy with no rules, so
-the time ratio is the faults' cost, not the proxy's. After each phase nothing may be left over:
-no multipart upload in progress, no object under the prefix that the committed ``.metadata`` does
-not reference. Last, a save is SIGKILLed mid-upload (it does leave leftovers) and
+the time ratio is the faults' cost, not the proxy's. After each phase nothing may be left over: no
+multipart upload in progress, no object under the prefix that the committed ``.metadata`` does not
+reference. Last, a save is SIGKILLed mid-upload (it does leave leftovers) and
 `s3ckpt.tools.catalog.gc` with ``older_than=0`` must remove them all.
 
 Then the one-fault scenarios of `benchmarks.fault_scenarios` (lost commit answers, a 5 s
@@ -55,9 +55,7 @@ from s3ckpt import S3Reader, S3Writer
 from s3ckpt.config import MiB, S3Config
 from s3ckpt.engine.store import get_store
 from s3ckpt.format import layout
-from s3ckpt.tools.catalog import gc
-from s3ckpt.tools.localserver import SeaweedFS
-from tests.faultproxy import (
+from s3ckpt.testing.faultproxy import (
     Action,
     Delay,
     FaultProxy,
@@ -66,6 +64,8 @@ from tests.faultproxy import (
     Status,
     Truncate,
 )
+from s3ckpt.tools.catalog import gc
+from s3ckpt.tools.localserver import SeaweedFS
 
 from .common import GB, RESULTS, Endpoint, format_table, machine_info, median, s3_endpoint
 

@@ -1,10 +1,10 @@
 """Throttling benchmark: saves and loads through a store that admits R requests a second.
 
-A `FaultProxy` rule `RateLimit(R)` (tests/faultproxy.py) sits in front of the server: it forwards
-at most R requests a second (a token bucket holding one second's worth, full at the start) and
-answers every other request 503 SlowDown, as AWS S3 does beyond a key prefix's rate. Each case
-runs through a proxy of its own, and so on a store of its own (fresh limits), with s3ckpt's
-adaptive limits (`s3ckpt.engine.throttle`, the default) and without them
+A `FaultProxy` rule `RateLimit(R)` (`s3ckpt.testing.faultproxy`) sits in front of the server: it
+forwards at most R requests a second (a token bucket holding one second's worth, full at the start)
+and answers every other request 503 SlowDown, as AWS S3 does beyond a key prefix's rate. Each case
+runs through a proxy of its own, and so on a store of its own (fresh limits), with s3ckpt's adaptive
+limits (`s3ckpt.engine.throttle`, the default) and without them
 (``S3Config(adapt_to_throttling=False)``: backoff alone, as before):
 
 - ``objects``: a save's and a load's requests at the engine's contract, small enough that R is
@@ -47,7 +47,7 @@ from s3ckpt.config import MiB, S3Config
 from s3ckpt.engine import bridge
 from s3ckpt.engine.contract import ObjectStore
 from s3ckpt.engine.store import get_store
-from tests.faultproxy import FaultProxy, RateLimit
+from s3ckpt.testing.faultproxy import FaultProxy, RateLimit
 
 from .bench_faults import _backdoor
 from .common import RESULTS, Endpoint, format_table, machine_info, s3_endpoint

@@ -28,9 +28,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from s3ckpt import S3Reader, S3Writer
 from s3ckpt.config import MiB, S3Config
 from s3ckpt.format import layout
-from s3ckpt.tools.catalog import gc
-from s3ckpt.tools.localserver import SeaweedFS
-from tests.faultproxy import (
+from s3ckpt.testing.faultproxy import (
     Delay,
     FaultProxy,
     LateApply,
@@ -39,6 +37,8 @@ from tests.faultproxy import (
     Trickle,
     TrickleHead,
 )
+from s3ckpt.tools.catalog import gc
+from s3ckpt.tools.localserver import SeaweedFS
 
 from .bench_faults import _backdoor, _differing, _uploads, leftovers, make_state
 from .common import Endpoint

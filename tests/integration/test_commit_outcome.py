@@ -1,5 +1,6 @@
 """The commit under ambiguity: lost answers, unknown outcomes, objects that vanish before the
-commit, and loads that race a replacing save (tests/faultproxy.py between s3ckpt and a server)."""
+commit, and loads that race a replacing save (`s3ckpt.testing.faultproxy` between s3ckpt and a
+server)."""
 
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ from s3ckpt import (
     WriteOptions,
 )
 from s3ckpt.config import MiB
+from s3ckpt.testing.faultproxy import Delay, FaultProxy, LateApply, ResetAfter, Status
 from s3ckpt.tools.catalog import gc
-from tests.faultproxy import Delay, FaultProxy, LateApply, ResetAfter, Status
 from tests.helpers import listing, raised, uploads_in_progress
 
 SMALL_PARTS = {"part_size": 5 * MiB, "multipart_threshold": 5 * MiB, "max_concurrency": 4}

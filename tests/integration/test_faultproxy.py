@@ -33,8 +33,7 @@ from botocore.exceptions import (
     SSLError,
 )
 
-from tests.conftest import S3Env
-from tests.faultproxy import (
+from s3ckpt.testing.faultproxy import (
     Corrupt,
     Delay,
     Fault,
@@ -49,6 +48,7 @@ from tests.faultproxy import (
     Truncate,
     classify,
 )
+from tests.conftest import S3Env
 
 MiB = 1024 * 1024
 

@@ -1,5 +1,5 @@
-"""Faults injected between s3ckpt and a real server (tests/faultproxy.py): retries, lost answers,
-permanent failures, TLS, and credentials kept out of logs."""
+"""Faults injected between s3ckpt and a real server (`s3ckpt.testing.faultproxy`): retries, lost
+answers, permanent failures, TLS, and credentials kept out of logs."""
 
 from __future__ import annotations
 
@@ -13,7 +13,14 @@ import torch.distributed.checkpoint as dcp
 
 from s3ckpt import EndpointUnreachable, S3Reader, S3Writer, StorageError
 from s3ckpt.config import MiB
-from tests.faultproxy import FaultProxy, ResetAfter, ResetBefore, ResetMidBody, Status, Truncate
+from s3ckpt.testing.faultproxy import (
+    FaultProxy,
+    ResetAfter,
+    ResetBefore,
+    ResetMidBody,
+    Status,
+    Truncate,
+)
 from tests.helpers import listing, raised, uploads_in_progress
 
 SMALL_PARTS = {"part_size": 5 * MiB, "multipart_threshold": 5 * MiB, "max_concurrency": 4}

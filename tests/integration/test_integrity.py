@@ -12,8 +12,8 @@ import torch.distributed.checkpoint as dcp
 from s3ckpt import ChecksumMismatch, S3Reader, S3Writer, WriteOptions
 from s3ckpt.cli import main
 from s3ckpt.engine.store import get_store
+from s3ckpt.testing.faultproxy import Corrupt, FaultProxy
 from s3ckpt.tools.verify import verify
-from tests.faultproxy import Corrupt, FaultProxy
 from tests.helpers import raised
 
 pytestmark = pytest.mark.stores("memory")  # not a wire test: see test_store_contract

@@ -17,8 +17,8 @@ import torch.distributed.checkpoint as dcp
 from s3ckpt import CheckpointNotFound, S3Reader, S3Writer, WriteOptions
 from s3ckpt.config import MiB
 from s3ckpt.format import layout
+from s3ckpt.testing.faultproxy import Delay, FaultProxy
 from s3ckpt.tools.catalog import delete, gc, latest, list_checkpoints, prune
-from tests.faultproxy import Delay, FaultProxy
 from tests.helpers import listing
 
 pytestmark = pytest.mark.stores("memory")  # not a wire test: see test_store_contract

@@ -26,7 +26,7 @@ from s3ckpt import EndpointUnreachable, S3Reader, S3Writer, StorageError, WriteO
 from s3ckpt.cli import main
 from s3ckpt.config import MiB
 from s3ckpt.engine.store import get_store
-from tests.faultproxy import FaultProxy, Status, Trickle, TrickleHead
+from s3ckpt.testing.faultproxy import FaultProxy, Status, Trickle, TrickleHead
 from tests.helpers import listing, raised
 from tests.integration.test_faultproxy import client_for
 from tests.integration.test_faults import assert_equal, state, zeros

@@ -10,8 +10,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from s3ckpt import S3Config, S3Reader, S3Writer, WriteOptions
+from s3ckpt.testing.faultproxy import FaultProxy, ResetBefore
 from s3ckpt.tools.catalog import gc
-from tests.faultproxy import FaultProxy, ResetBefore
 from tests.helpers import listing
 
 

@@ -13,8 +13,8 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
 from s3ckpt import S3Writer
+from s3ckpt.testing.faultproxy import Delay, FaultProxy
 from tests import share_workers
-from tests.faultproxy import Delay, FaultProxy
 from tests.helpers import listing
 
 pytestmark = pytest.mark.slow

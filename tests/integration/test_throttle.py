@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 from s3ckpt import S3Reader, S3Writer, WriteOptions
 from s3ckpt.config import MiB
 from s3ckpt.engine.store import get_store
-from tests.faultproxy import FaultProxy, RateLimit
+from s3ckpt.testing.faultproxy import FaultProxy, RateLimit
 from tests.integration.test_faults import assert_equal, zeros
 
 OBJECTS = 48

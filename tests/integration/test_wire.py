@@ -12,7 +12,7 @@ from s3ckpt import S3Reader, S3Writer, WriteOptions
 from s3ckpt.config import MiB
 from s3ckpt.engine import bridge
 from s3ckpt.engine.store import get_store
-from tests.faultproxy import Corrupt, FaultProxy
+from s3ckpt.testing.faultproxy import Corrupt, FaultProxy
 from tests.helpers import listing
 
 SMALL_PARTS = {"part_size": 5 * MiB, "multipart_threshold": 5 * MiB}

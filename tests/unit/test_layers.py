@@ -21,6 +21,7 @@ ALLOWED = {
     "tools": {"engine", "format", "dcp", "top"},  # top: the public names (the demo uses them)
     "cli": {"engine", "format", "dcp", "tools", "top"},
     "top": {"dcp", "tools", "cli"},  # s3ckpt/__init__.py (the public names) and __main__.py
+    "testing": set(),  # the fault proxy: stands alone
 }
 ENGINE_PRIVATE = {"_call", "_retrying", "_client", "_semaphore", "_abort_quietly"}
 # The engine's doors (docs/architecture.md): the contract, the loop bridge, the store resolver
@@ -158,9 +159,10 @@ def test_the_layers_are_as_documented() -> None:
         "dcp",
         "engine",
         "format",
+        "testing",
         "tools",
     }
-    for package in ("engine", "format", "dcp", "tools"):
+    for package in ("engine", "format", "dcp", "tools", "testing"):
         docstring = ast.get_docstring(ast.parse((PACKAGE / package / "__init__.py").read_text()))
         assert docstring and "import" in docstring, f"s3ckpt.{package} says what it may import"
 
