@@ -145,7 +145,7 @@ def _next(state: dict[str, torch.Tensor]) -> None:
         tensor.add_(1)
 
 
-def _differing(loaded: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) -> list[str]:
+def differing(loaded: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) -> list[str]:
     """Names whose bit patterns differ."""
     return [
         name
@@ -159,7 +159,7 @@ def _differing(loaded: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) 
 # --- the server, seen directly ------------------------------------------------------------------
 
 
-def _backdoor(endpoint: Endpoint) -> BaseClient:
+def backdoor(endpoint: Endpoint) -> BaseClient:
     """A boto3 client straight to the server: what is stored, seen by something not s3ckpt."""
     return boto3.session.Session().client(
         "s3",
@@ -182,7 +182,7 @@ def _keys(client: BaseClient, bucket: str, prefix: str) -> set[str]:
     return found
 
 
-def _uploads(client: BaseClient, bucket: str, prefix: str) -> list[dict[str, Any]]:
+def uploads_of(client: BaseClient, bucket: str, prefix: str) -> list[dict[str, Any]]:
     found: list[dict[str, Any]] = []
     for page in client.get_paginator("list_multipart_uploads").paginate(
         Bucket=bucket, Prefix=prefix
@@ -201,7 +201,7 @@ def leftovers(client: BaseClient, config: S3Config, bucket: str, prefix: str) ->
     referenced.add(f"{prefix}/.metadata")
     stored = _keys(client, bucket, f"{prefix}/")
     return {
-        "uploads_in_progress": len(_uploads(client, bucket, f"{prefix}/")),
+        "uploads_in_progress": len(uploads_of(client, bucket, f"{prefix}/")),
         "unreferenced_objects": len(stored - referenced),
         "missing_objects": len(referenced - stored),
         "unreferenced_sample": sorted(stored - referenced)[:5],
@@ -215,7 +215,7 @@ def _clean(left: dict[str, Any]) -> bool:
 
 
 def _delete_prefix(client: BaseClient, bucket: str, prefix: str) -> None:
-    for upload in _uploads(client, bucket, prefix):
+    for upload in uploads_of(client, bucket, prefix):
         client.abort_multipart_upload(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
     keys = sorted(_keys(client, bucket, prefix))
     for i in range(0, len(keys), 1000):
@@ -263,7 +263,7 @@ def run_cycles(
             reader = S3Reader(bucket, prefix, config=config)
             dcp.load(loaded, storage_reader=reader, no_dist=True)
             run["load_s"] = time.perf_counter() - started
-            differ = _differing(loaded, state)
+            differ = differing(loaded, state)
             run["ok"] = not differ
             if differ:
                 run["error"] = f"loaded tensors differ: {differ}"
@@ -344,7 +344,7 @@ def kill_mid_save(
         while process.is_alive() and time.monotonic() < deadline:
             if any(
                 client.list_parts(Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"]).get("Parts")
-                for u in _uploads(client, bucket, f"{prefix}/")
+                for u in uploads_of(client, bucket, f"{prefix}/")
             ):
                 break
             time.sleep(0.05)
@@ -379,7 +379,7 @@ def after_gc(
         "gc_aborted_uploads": len(report.aborted),
         "gc_skipped": len(report.skipped) + len(report.skipped_uploads),
         "after_gc": after,
-        "previous_checkpoint_intact": not _differing(loaded, state),
+        "previous_checkpoint_intact": not differing(loaded, state),
     }
 
 
@@ -440,7 +440,7 @@ def run_all_cycles(args: argparse.Namespace, ep: Endpoint) -> dict[str, Any]:
     """The fault-rate phases and the killed save: the report's cycle parts and their goals."""
     size = int(args.size_mib * MiB)
     state = make_state(size, args.seed)
-    client = _backdoor(ep)
+    client = backdoor(ep)
     prefix = f"faults-{secrets.token_hex(4)}/ck"
     direct = dataclasses.replace(
         ep.config(part_size=args.part_size_mib * MiB, max_concurrency=args.concurrency),
@@ -551,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"machine": machine_info()}
     if args.only != "scenarios":
         with s3_endpoint(args.endpoint_url, args.access_key, args.secret_key, args.region) as ep:
-            client = _backdoor(ep)
+            client = backdoor(ep)
             if args.bucket not in {b["Name"] for b in client.list_buckets().get("Buckets", [])}:
                 client.create_bucket(Bucket=args.bucket)
             report["server"] = {

@@ -31,7 +31,7 @@ import torch.distributed.checkpoint as dcp
 
 from s3ckpt import S3Writer
 
-from .bench_training import _create_bucket
+from .bench_training import create_bucket
 from .common import RESULTS, ROOT, s3_endpoint
 
 
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp, s3_endpoint(None, None, None, None) as endpoint:
         config = endpoint.config(part_size=16 << 20, max_concurrency=16)
         bucket = "bench-gpu"
-        _create_bucket(config, bucket)
+        create_bucket(config, bucket)
         dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=0, world_size=1)
         try:
             report["stall"] = stall_and_reuse(args, config, bucket)

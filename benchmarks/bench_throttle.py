@@ -49,7 +49,7 @@ from s3ckpt.engine.contract import ObjectStore
 from s3ckpt.engine.store import get_store
 from s3ckpt.testing.faultproxy import FaultProxy, RateLimit
 
-from .bench_faults import _backdoor
+from .bench_faults import backdoor
 from .common import RESULTS, Endpoint, format_table, machine_info, s3_endpoint
 
 MODES = {"adaptive": True, "off": False}
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"machine": machine_info(), "args": vars(args) | {"json": None}}
     root = f"bench-throttle/{secrets.token_hex(4)}"
     with s3_endpoint(args.endpoint_url, args.access_key, args.secret_key, args.region) as ep:
-        client = _backdoor(ep)
+        client = backdoor(ep)
         if args.bucket not in {b["Name"] for b in client.list_buckets().get("Buckets", [])}:
             client.create_bucket(Bucket=args.bucket)
         report["server"] = {"name": ep.server, "endpoint": ep.url}

@@ -153,7 +153,7 @@ def _child(
 # ----------------------------------------------------------------------------- the parent
 
 
-def _create_bucket(config: S3Config, bucket: str) -> None:
+def create_bucket(config: S3Config, bucket: str) -> None:
     from .raw import RawClient
 
     async def create() -> None:
@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         pinned = pin_threads(ep.server_pid, args.server_core)
         server = f"on core {args.server_core}" if pinned else "unpinned"
         config = ep.config(part_size=args.part_size_mib * MiB, max_concurrency=8)
-        _create_bucket(config, args.bucket)
+        create_bucket(config, args.bucket)
         print(
             f"training benchmark: {args.model} x{args.layers} width {args.width}, batch "
             f"{args.batch}, {args.checkpoints} checkpoints every {args.interval} steps; trainer "

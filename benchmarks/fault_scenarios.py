@@ -40,7 +40,7 @@ from s3ckpt.testing.faultproxy import (
 from s3ckpt.tools.catalog import gc
 from s3ckpt.tools.localserver import SeaweedFS
 
-from .bench_faults import _backdoor, _differing, _uploads, leftovers, make_state
+from .bench_faults import backdoor, differing, leftovers, make_state, uploads_of
 from .common import Endpoint
 
 __all__ = ["Server", "run_scenarios", "scenario_table"]
@@ -75,7 +75,7 @@ def _save(config: S3Config, bucket: str, prefix: str, state: dict[str, torch.Ten
 def _loads_as(config: S3Config, bucket: str, prefix: str, state: dict[str, torch.Tensor]) -> None:
     loaded = {name: torch.zeros_like(t) for name, t in state.items()}
     dcp.load(loaded, storage_reader=S3Reader(bucket, prefix, config=config), no_dist=True)
-    differ = _differing(loaded, state)
+    differ = differing(loaded, state)
     if differ:
         raise AssertionError(f"loaded tensors differ: {differ}")
 
@@ -147,7 +147,7 @@ def _wait_for(condition: Callable[[], bool], seconds: float = 60.0) -> None:
 def _part_stored(client: BaseClient, bucket: str, prefix: str) -> bool:
     return any(
         client.list_parts(Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"]).get("Parts")
-        for u in _uploads(client, bucket, f"{prefix}/")
+        for u in uploads_of(client, bucket, f"{prefix}/")
     )
 
 
@@ -166,7 +166,7 @@ class Server:
         )
 
     def client(self) -> BaseClient:
-        return _backdoor(self.endpoint)
+        return backdoor(self.endpoint)
 
     def restart(self, proxy: FaultProxy) -> float:
         """Stop the server and start it on its data again; the proxy follows it."""
@@ -213,7 +213,7 @@ def _kill_loop(
         loaded = {name: torch.zeros_like(t) for name, t in _state(size, 0).items()}
         dcp.load(loaded, storage_reader=reader, no_dist=True)
         now = int(loaded["step"].item())
-        if now not in (last, step) or _differing(loaded, _state(size, now)):
+        if now not in (last, step) or differing(loaded, _state(size, now)):
             broken.append(step)
         committed += now == step
         last = now

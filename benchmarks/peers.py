@@ -35,7 +35,7 @@ from torch.distributed.checkpoint import (
 from s3ckpt import S3Reader, S3Writer
 from s3ckpt.config import MiB, S3Config
 
-from .workload import TensorSpec, _tensor, state_specs
+from .workload import TensorSpec, state_specs, tensor_of
 
 __all__ = [
     "PEERS",
@@ -252,7 +252,7 @@ def load_subset(workload: str, specs: list[TensorSpec]) -> list[int]:
 
 def expected(specs: list[TensorSpec], index: int, seed: int) -> torch.Tensor:
     """The tensor a save wrote at ``index``: regenerated from the seed, as workload.py does."""
-    return _tensor(specs[index], index, seed)
+    return tensor_of(specs[index], index, seed)
 
 
 def sharded_state(specs: list[TensorSpec], seed: int, mesh: Any) -> dict[str, Any]:
@@ -261,7 +261,7 @@ def sharded_state(specs: list[TensorSpec], seed: int, mesh: Any) -> dict[str, An
 
     state: dict[str, Any] = {}
     for i, spec in enumerate(specs):
-        full = _tensor(spec, i, seed)
+        full = tensor_of(spec, i, seed)
         if full.dim() == 0 or full.shape[0] < mesh.size():
             state[spec.name] = full
             continue

@@ -80,13 +80,13 @@ def state_bytes(specs: list[TensorSpec]) -> int:
     return sum(s.nbytes for s in specs)
 
 
-def _tensor(spec: TensorSpec, index: int, seed: int) -> torch.Tensor:
+def tensor_of(spec: TensorSpec, index: int, seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
     return torch.randn(spec.shape, dtype=spec.dtype, generator=generator)
 
 
 def build_state(specs: list[TensorSpec], seed: int) -> dict[str, torch.Tensor]:
-    return {s.name: _tensor(s, i, seed) for i, s in enumerate(specs)}
+    return {s.name: tensor_of(s, i, seed) for i, s in enumerate(specs)}
 
 
 def empty_state(specs: list[TensorSpec]) -> dict[str, torch.Tensor]:
@@ -99,7 +99,7 @@ def verify_state(state: dict[str, torch.Tensor], specs: list[TensorSpec], seed: 
     bad = 0
     for i, spec in enumerate(specs):
         got = state[spec.name].reshape(-1).view(torch.uint8)
-        want = _tensor(spec, i, seed).reshape(-1).view(torch.uint8)
+        want = tensor_of(spec, i, seed).reshape(-1).view(torch.uint8)
         bad += not torch.equal(got, want)
     return bad
 
