@@ -66,9 +66,12 @@ def tensor_targets(
     part_size: int,
     checkpoint_id: str,
     url: str,
+    *,
+    exact_dtype: bool = False,
 ) -> tuple[list[Target], Finish]:
     """The byte ranges of tensor read item ``number``, and what to call once all have arrived
-    (commit it to the planner). A destination of another shape is a MetadataError."""
+    (commit it to the planner). A destination of another shape, or with ``exact_dtype`` of
+    another dtype, is a MetadataError."""
     key, shape, dtype = chunk.key, chunk.shape, chunk.dtype
     offsets, lengths = tuple(item.storage_offsets), tuple(item.lengths)
     dest = planner.resolve_tensor(item).detach()
@@ -76,6 +79,12 @@ def tensor_targets(
         raise MetadataError(
             f"{checkpoint_id}: {item.dest_index.fqn} expects shape {tuple(dest.shape)}, "
             f"the checkpoint has {lengths}",
+            url=url,
+        )
+    if exact_dtype and dest.dtype != chunk.dtype:
+        raise MetadataError(
+            f"{checkpoint_id}: {item.dest_index.fqn} is {dest.dtype} in the state dict but "
+            f"{chunk.dtype} in {url}: load into a tensor of the stored dtype, then convert it",
             url=url,
         )
 
