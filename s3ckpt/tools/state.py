@@ -206,11 +206,13 @@ class Source:
         self._run(items, planner)
         return planner.values
 
-    def batches(self) -> Iterator[list[Piece]]:
-        """The pieces of every tensor, in batches of at most `budget` bytes."""
+    def batches(self, fqns: Sequence[str] | None = None) -> Iterator[list[Piece]]:
+        """The pieces of every tensor (or of ``fqns``, in that order), in batches of at most
+        `budget` bytes."""
         batch: list[Piece] = []
         size = 0
-        for fqn, entry in self.tensors.items():
+        for fqn in self.tensors if fqns is None else fqns:
+            entry = self.tensors[fqn]
             shape, dtype = tuple(entry.size), entry.properties.dtype
             origin = (0,) * len(shape)
             for offsets, lengths in readplan.split_rect(
