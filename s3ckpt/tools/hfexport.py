@@ -5,8 +5,9 @@ The tensors are read through `S3Reader` (every frame's CRC checked) a batch at a
 tensors rebuilt from however the checkpoint sharded them, and streamed into each file in the
 order of its header (`format.safetensors.layout`). Memory: one batch of at most ``part_size x
 max_concurrency`` bytes (256 MiB by default; a larger tensor goes in slabs) and its dtype
-conversion, plus, to S3, the parts of the multipart upload in flight (as much again): bounded
-by those settings, whatever the size of the tensors or of the model.
+conversion, plus, to S3, the parts of the multipart upload in flight (at most
+``max_concurrency``, each under ``2 x part_size``): bounded by those settings, whatever the
+size of the tensors or of the model.
 
 Atomic: a local file is written under a temporary name and renamed once complete; on S3 a file
 appears only when its multipart upload completes. Files appear one after the other, the index
@@ -111,16 +112,22 @@ def export_safetensors(
     total = sum(size for _, size in sizes)
     done = Counter(progress, sum(_nbytes(source, fqn, None) for fqn in names))
 
+    step = source.reader.config.part_size
+
     def contents(header: st.Header) -> Iterator[memoryview]:
+        """The file's bytes in views of at most ``part_size``: an upload cuts a part once it
+        holds ``part_size``, so its parts stay under twice that, whatever the tensors' sizes."""
         yield memoryview(header.encode())
         fqns = [fqn_of[info.name] for info in header.tensors]
         for batch in source.batches(fqns):
             pieces = [(piece, torch.empty(piece.lengths, dtype=piece.dtype)) for piece in batch]
             source.read(pieces)
             for piece, tensor in pieces:
-                converted = tensor.to(out[piece.fqn])  # held while its view is used
-                yield memory_of(converted)
-            del pieces  # before the next batch is allocated
+                converted = tensor.to(out[piece.fqn])  # held while its views are used
+                view = memory_of(converted)
+                for at in range(0, len(view), step):
+                    yield view[at : at + step]
+            del pieces, converted, view  # before the next batch is allocated
             done.add(batch)
 
     files: dict[str, Contents] = {

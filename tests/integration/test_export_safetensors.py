@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 
 from s3ckpt import ChecksumMismatch, ConfigError, S3Writer, export_safetensors
 from s3ckpt.config import MiB
+from s3ckpt.tools.hfexport import parse_size
 from tests import dist_workers
 from tests.conftest import Cli, S3Env
 from tests.helpers import listing, uploads_in_progress
@@ -194,3 +195,29 @@ def test_an_export_refuses_a_destination_that_holds_one(
         export_safetensors(f"s3://{bucket}/ck", f"s3://{bucket}/hf", s3.config())
     with pytest.raises(ConfigError, match="no tensors under 'nothing'"):
         export_safetensors(f"s3://{bucket}/ck", tmp_path, s3.config(), select="nothing")
+
+
+def test_sizes_read_as_save_pretrained_writes_them() -> None:
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("500MiB") == 500 * 2**20
+    assert parse_size("1000") == 1000 and parse_size("1.5 kb") == 1500
+    for text in ("", "0", "5 GG", "-1MB"):
+        with pytest.raises(ConfigError, match="expected a size"):
+            parse_size(text)
+
+
+def test_a_large_file_streams_as_a_multipart_upload_of_bounded_parts(
+    s3: S3Env, bucket: str
+) -> None:
+    generator = torch.Generator().manual_seed(2)
+    state = {f"w{i}": torch.randn(1000, 1001 + i, generator=generator) for i in range(4)}
+    state["h"] = torch.randn(999, 333, generator=generator).bfloat16()
+    state["big"] = torch.randn(3000, 1001, generator=generator)  # 12 MB: over two parts
+    _save(s3, f"s3://{bucket}/ck", state)
+    export_safetensors(f"s3://{bucket}/ck", f"s3://{bucket}/hf", s3.config(**PARTS))
+    first = s3.client.head_object(Bucket=bucket, Key="hf/model.safetensors", PartNumber=1)
+    assert first["PartsCount"] >= 2
+    for number in range(1, first["PartsCount"]):  # whole parts, however the tensors fall
+        part = s3.client.head_object(Bucket=bucket, Key="hf/model.safetensors", PartNumber=number)
+        assert PARTS["part_size"] <= part["ContentLength"] < 2 * PARTS["part_size"], number
+    data = s3.client.get_object(Bucket=bucket, Key="hf/model.safetensors")["Body"].read()
+    _same(safetensors.torch.load(data), state)
