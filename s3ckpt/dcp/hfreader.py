@@ -182,7 +182,7 @@ async def read_headers(store: ObjectStore, location: Location) -> dict[str, st.H
             if (weights and weights.get(info.name) != name) or info.name in seen:
                 raise MetadataError(
                     f"s3://{bucket}/{key}: tensor {info.name!r} is not where {st.INDEX} puts it "
-                    f"({weights.get(info.name) or seen.get(info.name)})",
+                    f"({weights.get(info.name) or seen.get(info.name) or 'not in it'})",
                     url=location.url,
                 )
             seen[info.name] = name
