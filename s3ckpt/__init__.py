@@ -4,9 +4,11 @@ mgr = CheckpointManager("s3://bucket/run7", keep_last=3, every=100)  # a run's c
 fut = dcp.async_save(state_dict, storage_writer=S3Writer("bucket", prefix="run7/step-1000"))
 S3Writer("bucket", prefix="run7/step-1000", options=WriteOptions(compression="zstd"))
 dcp.load(state_dict, storage_reader=S3Reader("bucket", prefix="run7/step-1000"))
+dcp.load(model.state_dict(), storage_reader=SafetensorsReader("bucket", "hf/llama-8b"))
+export_safetensors("s3://bucket/run7/step-1000", "s3://bucket/hf/run7", select="model")
 
-The manager, writer and reader are imported on first use (PEP 562), because they import torch,
-which takes seconds: ``import s3ckpt`` and the CLI's light commands stay fast.
+The manager, writers, readers and export are imported on first use (PEP 562), because they
+import torch, which takes seconds: ``import s3ckpt`` and the CLI's light commands stay fast.
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
+    from .dcp.hfreader import SafetensorsReader
     from .dcp.reader import S3Reader
     from .dcp.writer import S3Writer
+    from .tools.hfexport import export_safetensors
     from .tools.manager import CheckpointManager
 
 __all__ = [
@@ -60,9 +64,11 @@ __all__ = [
     "S3Config",
     "S3Reader",
     "S3Writer",
+    "SafetensorsReader",
     "StorageError",
     "UnsafeCheckpoint",
     "WriteOptions",
+    "export_safetensors",
 ]
 
 __version__ = "0.1.0"
@@ -71,11 +77,14 @@ _LAZY = {
     "CheckpointManager": "s3ckpt.tools.manager",
     "S3Reader": "s3ckpt.dcp.reader",
     "S3Writer": "s3ckpt.dcp.writer",
+    "SafetensorsReader": "s3ckpt.dcp.hfreader",
+    "export_safetensors": "s3ckpt.tools.hfexport",
 }
 
 
 def __getattr__(name: str) -> Any:
-    """Imports the manager, writer or reader (and so torch) when it is first asked for."""
+    """Imports the manager, a writer, a reader or the export (and so torch) when first asked
+    for."""
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 's3ckpt' has no attribute {name!r}")

@@ -1,4 +1,5 @@
-"""Subcommands that move bytes: ``export`` to a local file, ``verify`` checksums, ``bench``.
+"""Subcommands that move bytes: ``export`` (a torch.save file or safetensors), ``verify``
+checksums, ``bench``.
 
 Each imports what moves the bytes (the engine, the read runner, torch) when it runs, not when it
 is registered: registering every command is part of ``s3ckpt --version`` and ``s3ckpt ls``.
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..checksums import checksum
 from ..config import MiB, parse_s3_url
-from ..errors import S3CkptError
+from ..errors import ConfigError, S3CkptError
 from .base import EXIT_OK, URL, Bar, Session, arg, command, human_size
 
 if TYPE_CHECKING:
@@ -35,9 +36,33 @@ Bars = Callable[[str, str], contextlib.AbstractContextManager[Bar | None]]
 
 @command(
     "export",
-    "load the committed checkpoint at URL into one local torch.save file",
+    "write the committed checkpoint at URL to DEST: one local torch.save file, or (--format "
+    "safetensors) Hugging Face safetensors files in a directory or under an s3:// prefix",
     URL,
-    arg("out", metavar="OUT.pt", type=Path, help="file to write (replaced only when complete)"),
+    arg(
+        "out",
+        metavar="DEST",
+        help="torch: the file to write (replaced only when complete); safetensors: a local "
+        "directory or s3://bucket/prefix (each file appears only when complete, the index last)",
+    ),
+    arg(
+        "--format",
+        choices=("torch", "safetensors"),
+        default="torch",
+        help="torch (default): the whole state as saved; safetensors: its tensors, for "
+        "transformers, vLLM and other Hugging Face readers",
+    ),
+    arg(
+        "--select",
+        metavar="PREFIX",
+        help="safetensors: only the entries under PREFIX (say, model), named without it",
+    ),
+    arg("--dtype", help="safetensors: convert floating-point tensors to DTYPE (bfloat16, ...)"),
+    arg(
+        "--max-shard-size",
+        metavar="SIZE",
+        help="safetensors: files of at most SIZE of tensors (default 5GB, as save_pretrained)",
+    ),
     arg(
         "--trust-pickles",
         action="store_true",
@@ -46,20 +71,56 @@ Bars = Callable[[str, str], contextlib.AbstractContextManager[Bar | None]]
     ),
 )
 def _export(session: Session) -> int:
+    args = session.args
+    if args.format == "safetensors":
+        return _export_safetensors(session)
+    if args.select or args.dtype or args.max_shard_size:
+        raise ConfigError("--select, --dtype and --max-shard-size go with --format safetensors")
     from ..tools import catalog
 
-    url, out = session.args.url, session.args.out
+    url, out = args.url, Path(args.out)
     print(f"export: reading {url} into {out}", file=sys.stderr)
     started = time.perf_counter()
     with session.progress("B") as progress:
         exported = catalog.export(
-            url, out, session.config, progress=progress, trust_pickles=session.args.trust_pickles
+            url, out, session.config, progress=progress, trust_pickles=args.trust_pickles
         )
     took = time.perf_counter() - started
     tensors, nbytes = exported.tensors, exported.tensor_bytes
     print(f"export: wrote {human_size(nbytes)} in {took:.1f} s", file=sys.stderr)
     result = {"checkpoint": url, "path": str(out), "tensors": tensors, "tensor_bytes": nbytes}
     session.emit(result, f"wrote {out}: {tensors} tensors, {human_size(nbytes)}, from {url}")
+    return EXIT_OK
+
+
+def _export_safetensors(session: Session) -> int:
+    from ..tools.hfexport import DEFAULT_SHARD_SIZE, export_safetensors
+
+    args = session.args
+    url, dest = args.url, args.out
+    print(f"export: reading {url} into safetensors at {dest}", file=sys.stderr)
+    started = time.perf_counter()
+    with session.progress("B") as progress:
+        done = export_safetensors(
+            url,
+            dest,
+            session.config,
+            select=args.select,
+            dtype=args.dtype,
+            max_shard_size=args.max_shard_size or DEFAULT_SHARD_SIZE,
+            progress=progress,
+        )
+    took = time.perf_counter() - started
+    print(f"export: wrote {human_size(done.tensor_bytes)} in {took:.1f} s", file=sys.stderr)
+    if done.skipped:
+        left = ", ".join(done.skipped[:5]) + (" ..." if len(done.skipped) > 5 else "")
+        print(f"export: left out {len(done.skipped)} non-tensor value(s): {left}", file=sys.stderr)
+    result = {"checkpoint": url, **dataclasses.asdict(done)}
+    text = (
+        f"wrote {len(done.files)} file(s) to {dest}: {done.tensors} tensors, "
+        f"{human_size(done.tensor_bytes)}, from {url}"
+    )
+    session.emit(result, text)
     return EXIT_OK
 
 

@@ -40,13 +40,13 @@ from ..format.frames import FrameTable
 from ..format.readplan import Fetch, Target, plan_fetches
 from ..format.record import Checkpoint, Locator
 from ..format.sharing import Span
-from ..format.tensorbytes import memory_of
 from . import group
 from .adapter import AtLocation, to_torch_future
 from .exchange import Pieces
 from .group import gloo
 from .prefix import read_prefix
 from .reads import run_all
+from .targets import StoredChunk, collect, tensor_targets
 
 __all__ = ["S3Reader"]
 
@@ -212,26 +212,8 @@ class S3Reader(AtLocation, StorageReader):
     def _plan(
         self, plan: LoadPlan, planner: LoadPlanner
     ) -> tuple[list[Target], Callable[[int], None]]:
-        """Every read item's targets, and what to call as each target completes (an item whose
-        targets are all in is committed to the planner; one without any, at once)."""
-        remaining: dict[int, int] = {}
-        finishers: dict[int, Callable[[], None]] = {}
-        targets: list[Target] = []
-        for number, item in enumerate(plan.items):
-            item_targets, finish = self._targets(number, item, planner)
-            targets.extend(item_targets)
-            remaining[number] = len(item_targets)
-            finishers[number] = finish
-        for number, count in remaining.items():
-            if count == 0:
-                finishers[number]()
-
-        def done(item: int) -> None:
-            remaining[item] -= 1
-            if remaining[item] == 0:
-                finishers[item]()
-
-        return targets, done
+        """Every read item's targets, and what to call as each target completes."""
+        return collect(plan.items, lambda number, item: self._targets(number, item, planner))
 
     def _shared_pieces(
         self, plan: LoadPlan, planner: LoadPlanner, share: sharing.Share, ranks: group.Ranks
@@ -352,45 +334,16 @@ class S3Reader(AtLocation, StorageReader):
             return [Target(number, key, locator.offset, end, place=load)], lambda: None
 
         locator, shape, dtype = self._chunks[item.storage_index]
-        key = self.location.key(locator.key)
-        offsets, lengths = tuple(item.storage_offsets), tuple(item.lengths)
-        dest = planner.resolve_tensor(item).detach()
-        if tuple(dest.shape) != lengths:
-            raise MetadataError(
-                f"{self.checkpoint_id}: {item.dest_index.fqn} expects shape {tuple(dest.shape)}, "
-                f"the checkpoint has {lengths}",
-                url=self.location.metadata_url,
-            )
-
-        def finish() -> None:
-            planner.commit_tensor(item, dest)
-
-        base, itemsize = locator.offset, dtype.itemsize
-        if (
-            dest.device.type == "cpu"
-            and dest.dtype == dtype
-            and dest.is_contiguous()
-            and readplan.is_exact(shape, offsets, lengths)
-        ):
-            start, end = readplan.covering_range(shape, offsets, lengths, itemsize)
-            if end == start:
-                return [], finish
-            target = Target(number, key, base + start, base + end, sink=memory_of(dest))
-            return [target], finish
-
-        targets = []
-        for piece_offsets, piece_lengths in readplan.split_rect(
-            shape, offsets, lengths, itemsize, self.config.part_size
-        ):
-            start, end = readplan.covering_range(shape, piece_offsets, piece_lengths, itemsize)
-            region = dest
-            for dim, (at, skip, n) in enumerate(
-                zip(piece_offsets, offsets, piece_lengths, strict=True)
-            ):
-                region = region.narrow(dim, at - skip, n)
-            place = _Placer(shape, piece_lengths, dtype, region)
-            targets.append(Target(number, key, base + start, base + end, place=place))
-        return targets, finish
+        chunk = StoredChunk(self.location.key(locator.key), locator.offset, shape, dtype)
+        return tensor_targets(
+            number,
+            item,
+            planner,
+            chunk,
+            self.config.part_size,
+            self.checkpoint_id,
+            self.location.metadata_url,
+        )
 
     def _check_pickle(self, fqn: str, key: str, raw: bytes) -> None:
         """Raise `UnsafeCheckpoint` unless torch's ``weights_only`` unpickler accepts ``raw``.
@@ -448,26 +401,6 @@ def _refusal(error: Exception) -> str:
     paragraphs = [p.strip() for p in detail.split("\n\n") if p.strip()] if marker else []
     reason = paragraphs[0].split(". ", 1)[0] if paragraphs else text.strip().split("\n", 1)[0]
     return f"{type(error).__name__}: {reason}"
-
-
-class _Placer:
-    """Copies the covering bytes of a row-major sub-rectangle into its (strided) destination."""
-
-    def __init__(
-        self,
-        shape: tuple[int, ...],
-        lengths: tuple[int, ...],
-        dtype: torch.dtype,
-        dest: torch.Tensor,
-    ) -> None:
-        self.strides = readplan.row_major_strides(shape)
-        self.lengths = lengths
-        self.dtype = dtype
-        self.dest = dest
-
-    def __call__(self, data: memoryview) -> None:
-        flat = torch.frombuffer(data, dtype=self.dtype)
-        self.dest.copy_(flat.as_strided(self.lengths, self.strides, 0))
 
 
 @dataclasses.dataclass(frozen=True)

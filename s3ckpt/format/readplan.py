@@ -218,14 +218,16 @@ def plan_fetches(
 
     ``align[key]`` is the object's frame size: reads fetch whole frames, so zero-copy targets are
     cut at frame boundaries and merging works on frame-aligned ranges of at most ``max_size``.
+    An object not in ``align`` has no frames (a safetensors file): its ranges are fetched as
+    they are, zero-copy targets cut every ``max_size`` bytes.
     """
     by_key: dict[str, list[Target]] = defaultdict(list)
     for target in targets:
         if target.end > target.start:
-            by_key[target.key].extend(_split(target, align[target.key]))
+            by_key[target.key].extend(_split(target, align.get(target.key, max_size)))
     fetches: list[Fetch] = []
     for key, group in sorted(by_key.items()):
-        frame = align[key]
+        frame = align.get(key, 1)
         ranges = [(t.start // frame * frame, -(-t.end // frame) * frame) for t in group]
         merged = coalesce(ranges, max_gap=max_gap, max_size=max_size)
         fetches.extend(Fetch(key, m.start, m.end, [group[i] for i in m.members]) for m in merged)

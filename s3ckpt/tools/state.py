@@ -42,7 +42,7 @@ from ..format.record.nesting import nest
 from ..format.tensorbytes import memory_of
 from .scan import Progress
 
-__all__ = ["Exported", "export", "read_state"]
+__all__ = ["Counter", "Exported", "Piece", "Source", "export", "read_state"]
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def read_state(
     trust_pickles: bool = False,
 ) -> dict[str, Any]:
     """See `catalog.read_state`; the checkpoint is known to be committed and readable."""
-    source = _Source(url, config, trust_pickles)
+    source = Source(url, config, trust_pickles)
     values = source.values()
     tensors: dict[str, torch.Tensor] = {}
 
@@ -74,7 +74,7 @@ def read_state(
         return tensors[fqn]
 
     state = nest(source.checkpoint, leaf)
-    done = _Counter(progress, source.tensor_bytes)
+    done = Counter(progress, source.tensor_bytes)
     for batch in source.batches():
         pieces = [(p, _narrow(tensors[p.fqn], p.offsets, p.lengths)) for p in batch]
         source.read(pieces)
@@ -95,7 +95,7 @@ def export(
     the file is complete. Memory: one batch of tensors (``part_size x max_concurrency`` bytes,
     256 MiB by default), the load's own working set (as much again at most), and the non-tensor
     values (which ``torch.save`` pickles whole)."""
-    source = _Source(url, config, trust_pickles)
+    source = Source(url, config, trust_pickles)
     values = source.values()
     mode = FakeTensorMode()
     fakes: dict[str, torch.Tensor] = {}
@@ -115,7 +115,7 @@ def export(
             torch.save(state, partial)
             storages = _storages(state)
         with _Zip(partial, [storage.nbytes() for storage in storages]) as out:
-            _fill(out, source, storages, fakes, _Counter(progress, source.tensor_bytes))
+            _fill(out, source, storages, fakes, Counter(progress, source.tensor_bytes))
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
@@ -124,10 +124,10 @@ def export(
 
 def _fill(
     out: _Zip,
-    source: _Source,
+    source: Source,
     storages: list[torch.UntypedStorage],
     fakes: dict[str, torch.Tensor],
-    done: _Counter,
+    done: Counter,
 ) -> None:
     """Every storage's bytes into its record: those of tensors inside non-tensor values from
     memory, the state's tensors from the checkpoint a batch at a time."""
@@ -149,7 +149,7 @@ def _fill(
 
 
 @dataclass(frozen=True)
-class _Piece:
+class Piece:
     """A row-major run of one tensor's elements, read and written as one."""
 
     fqn: str
@@ -164,7 +164,7 @@ class _Piece:
         return MetadataIndex(self.fqn, self.offsets)
 
 
-class _Source:
+class Source:
     """A committed checkpoint read through `S3Reader` piece by piece: DCP's read items for each
     piece, as its planner would make them, and no whole state dict in memory."""
 
@@ -206,11 +206,13 @@ class _Source:
         self._run(items, planner)
         return planner.values
 
-    def batches(self) -> Iterator[list[_Piece]]:
-        """The pieces of every tensor, in batches of at most `budget` bytes."""
-        batch: list[_Piece] = []
+    def batches(self, fqns: Sequence[str] | None = None) -> Iterator[list[Piece]]:
+        """The pieces of every tensor (or of ``fqns``, in that order), in batches of at most
+        `budget` bytes."""
+        batch: list[Piece] = []
         size = 0
-        for fqn, entry in self.tensors.items():
+        for fqn in self.tensors if fqns is None else fqns:
+            entry = self.tensors[fqn]
             shape, dtype = tuple(entry.size), entry.properties.dtype
             origin = (0,) * len(shape)
             for offsets, lengths in readplan.split_rect(
@@ -220,12 +222,12 @@ class _Source:
                 if batch and size + end - start > self.budget:
                     yield batch
                     batch, size = [], 0
-                batch.append(_Piece(fqn, offsets, lengths, dtype, start, end - start))
+                batch.append(Piece(fqn, offsets, lengths, dtype, start, end - start))
                 size += end - start
         if batch:
             yield batch
 
-    def read(self, pieces: list[tuple[_Piece, torch.Tensor]]) -> None:
+    def read(self, pieces: list[tuple[Piece, torch.Tensor]]) -> None:
         """Read each piece into its tensor (of the piece's shape)."""
         items = [
             item
@@ -266,14 +268,14 @@ def _narrow(tensor: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]
     return tensor
 
 
-class _Counter:
+class Counter:
     """Reports tensor bytes as batches complete."""
 
     def __init__(self, progress: Progress | None, total: int) -> None:
         self.progress, self.total, self.done = progress, total, 0
         self.add([])
 
-    def add(self, batch: list[_Piece]) -> None:
+    def add(self, batch: list[Piece]) -> None:
         self.done += sum(piece.nbytes for piece in batch)
         if self.progress is not None:
             self.progress(self.done, self.total)

@@ -188,9 +188,11 @@ def test_the_public_names_of_s3ckpt() -> None:
         "S3Config",
         "S3Reader",
         "S3Writer",
+        "SafetensorsReader",
         "StorageError",
         "UnsafeCheckpoint",
         "WriteOptions",
+        "export_safetensors",
     ]
     for name in s3ckpt.__all__:
         assert getattr(s3ckpt, name).__module__.startswith("s3ckpt."), name

@@ -15,10 +15,12 @@ import pytest
 from s3ckpt.format.frames import ZSTD, FrameTable
 from s3ckpt.format.readplan import (
     Merged,
+    Target,
     check_plan,
     coalesce,
     covering_range,
     is_exact,
+    plan_fetches,
     row_major_strides,
     split_rect,
 )
@@ -356,3 +358,20 @@ def test_check_plan_of_a_compressed_table_counts_stored_bytes() -> None:
         (6 * FRAME, 9 * FRAME),
         (9 * FRAME, RAW_SIZE),
     ]
+
+
+def test_an_object_without_frames_is_fetched_at_exact_ranges() -> None:
+    sink = memoryview(bytearray(250))
+    targets = [
+        Target(0, "f", 1003, 1253, sink=sink),  # cut every max_size bytes: concurrent GETs
+        Target(1, "f", 1260, 1270, place=lambda data: None),  # merged across a small gap
+        Target(2, "f", 5000, 5004, place=lambda data: None),  # too far: a GET of its own
+    ]
+    fetches = plan_fetches(targets, max_gap=64, max_size=100, align={})
+    assert [(f.start, f.end) for f in fetches] == [
+        (1003, 1100),
+        (1100, 1200),
+        (1200, 1270),
+        (5000, 5004),
+    ]
+    assert sum(len(t.sink or b"") for f in fetches for t in f.targets) == 250

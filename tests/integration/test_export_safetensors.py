@@ -1,0 +1,223 @@
+"""``s3ckpt export --format safetensors`` and `export_safetensors` on real servers, each output
+read back with the ``safetensors`` library: dtypes, 0-d tensors, selection, sharding, dtype
+conversion, incremental and resharded checkpoints, and exports that fail leaving nothing."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import safetensors.torch
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+
+from s3ckpt import ChecksumMismatch, ConfigError, S3Writer, export_safetensors
+from s3ckpt.config import MiB
+from s3ckpt.tools.hfexport import parse_size
+from tests import dist_workers
+from tests.conftest import Cli, S3Env
+from tests.helpers import listing, uploads_in_progress
+
+PARTS = {"part_size": 5 * MiB, "multipart_threshold": 5 * MiB}
+
+
+def _state() -> dict[str, Any]:
+    """A training state: a model of several dtypes (a 0-d and an empty tensor among them), an
+    optimizer, plain values."""
+    generator = torch.Generator().manual_seed(5)
+    return {
+        "model": {
+            "embed": torch.randn(300, 64, generator=generator).bfloat16(),
+            "proj": {"weight": torch.randn(64, 64, generator=generator)},
+            "ids": torch.arange(11, dtype=torch.int64),
+            "count": torch.tensor(3, dtype=torch.int32),
+            "scale": torch.tensor(0.5),
+            "mask": torch.tensor([True, False]),
+            "empty": torch.zeros(0, 4),
+        },
+        "optim": {"state": {"proj": {"exp_avg": torch.ones(64, 64)}}, "lr": 0.01},
+        "step": 9,
+    }
+
+
+def _model(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    model = state["model"]
+    return {
+        **{k: v for k, v in model.items() if k != "proj"},
+        "proj.weight": model["proj"]["weight"],
+    }
+
+
+def _save(s3: S3Env, url: str, state: dict[str, Any], **writer: Any) -> None:
+    dcp.save(state, storage_writer=S3Writer(url, config=s3.config(**PARTS), **writer))
+
+
+def _same(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert actual.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert actual[name].dtype == tensor.dtype, name
+        assert actual[name].shape == tensor.shape and torch.equal(actual[name], tensor), name
+
+
+def _read_dir(path: Path) -> dict[str, torch.Tensor]:
+    index = path / "model.safetensors.index.json"
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        if index.exists()
+        else ["model.safetensors"]
+    )
+    found: dict[str, torch.Tensor] = {}
+    for name in files:
+        found.update(safetensors.torch.load_file(path / name))
+    return found
+
+
+def test_cli_exports_the_model_to_s3_as_one_file_the_library_reads(
+    cli: Cli, s3: S3Env, bucket: str
+) -> None:
+    state = _state()
+    url = f"s3://{bucket}/run/step-9"
+    _save(s3, url, state)
+    code, out, err = cli(
+        "export", url, f"s3://{bucket}/hf", "--format", "safetensors", "--select", "model"
+    )
+    assert code == 0, err
+    assert "wrote 1 file(s)" in out
+    assert set(listing(s3.client, bucket, "hf/")) == {"hf/model.safetensors"}
+    data = s3.client.get_object(Bucket=bucket, Key="hf/model.safetensors")["Body"].read()
+    _same(safetensors.torch.load(data), _model(state))
+    header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+    assert header["__metadata__"] == {"format": "pt"}
+
+
+def test_a_whole_checkpoint_keeps_its_names_and_skips_what_is_not_a_tensor(
+    s3: S3Env, bucket: str, tmp_path: Path
+) -> None:
+    state = _state()
+    url = f"s3://{bucket}/ck"
+    _save(s3, url, state)
+    done = export_safetensors(url, tmp_path / "all", s3.config())
+    found = _read_dir(tmp_path / "all")
+    assert set(found) == {f"model.{k}" for k in _model(state)} | {"optim.state.proj.exp_avg"}
+    assert set(done.skipped) == {"optim.lr", "step"}
+    assert [p.name for p in (tmp_path / "all").iterdir()] == ["model.safetensors"]
+
+
+def test_sharded_output_has_an_index_and_converts_floats(
+    s3: S3Env, bucket: str, tmp_path: Path
+) -> None:
+    state = _state()
+    url = f"s3://{bucket}/ck"
+    _save(s3, url, state)
+    dest = tmp_path / "hf"
+    done = export_safetensors(
+        url, dest, s3.config(), select="model", dtype="bf16", max_shard_size="20KB"
+    )
+    expected = {k: v.bfloat16() if v.is_floating_point() else v for k, v in _model(state).items()}
+    index = json.loads((dest / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) >= 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert index["metadata"]["total_size"] == sum(
+        t.numel() * t.element_size() for t in expected.values()
+    )
+    assert done.files[-1].endswith("model.safetensors.index.json")
+    for name in files:
+        for tensor in safetensors.torch.load_file(dest / name):
+            assert index["weight_map"][tensor] == name
+    _same(_read_dir(dest), expected)
+
+
+def test_an_incremental_checkpoint_exports_whole(s3: S3Env, bucket: str, tmp_path: Path) -> None:
+    state = _state()
+    _save(s3, f"s3://{bucket}/run/step-1", state, incremental=True)
+    state["model"]["proj"]["weight"] = state["model"]["proj"]["weight"] * 2
+    _save(s3, f"s3://{bucket}/run/step-2", state, incremental=True)
+    export_safetensors(f"s3://{bucket}/run/step-2", tmp_path / "hf", s3.config(), select="model")
+    _same(_read_dir(tmp_path / "hf"), _model(state))
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("s3", ["moto"], indirect=True)
+def test_a_checkpoint_sharded_over_two_ranks_exports_whole_tensors(
+    s3: S3Env, bucket: str, tmp_path: Path
+) -> None:
+    url = f"s3://{bucket}/sharded"
+    mp.spawn(dist_workers.save_sharded, args=(2, _free_port(), s3.config(), url), nprocs=2)
+    done = export_safetensors(url, tmp_path / "hf", s3.config())
+    full = dist_workers.reference_state()
+    _same(_read_dir(tmp_path / "hf"), {**full, "plain": full["replicated"]})
+    assert done.skipped == ("step",)
+
+
+def _corrupt(s3: S3Env, bucket: str, prefix: str, name: str) -> None:
+    """Flip a stored byte in the middle of tensor ``name``."""
+    record = json.loads(
+        s3.client.get_object(Bucket=bucket, Key=f"{prefix}/.metadata")["Body"].read()
+    )
+    locator = record["state_dict"][name]["chunks"][0]["locator"]
+    key = f"{prefix}/{locator['key']}"
+    body = bytearray(s3.client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    body[locator["offset"] + locator["length"] // 2] ^= 0xFF
+    s3.client.put_object(Bucket=bucket, Key=key, Body=bytes(body))
+
+
+def test_a_failed_export_leaves_no_file(s3: S3Env, bucket: str, tmp_path: Path) -> None:
+    state = {f"t{i}": torch.randn(256, 1024) for i in range(6)}  # 1 MiB each
+    _save(s3, f"s3://{bucket}/ck", state)
+    _corrupt(s3, bucket, "ck", "t5")  # in the last of three files: two complete before it
+    with pytest.raises(ChecksumMismatch):
+        export_safetensors(f"s3://{bucket}/ck", tmp_path / "hf", s3.config(), max_shard_size="2MiB")
+    assert list((tmp_path / "hf").iterdir()) == []
+    with pytest.raises(ChecksumMismatch):
+        export_safetensors(
+            f"s3://{bucket}/ck", f"s3://{bucket}/hf", s3.config(), max_shard_size="2MiB"
+        )
+    assert listing(s3.client, bucket, "hf/") == {}
+    assert uploads_in_progress(s3.client, bucket) == []
+
+
+def test_an_export_refuses_a_destination_that_holds_one(
+    s3: S3Env, bucket: str, tmp_path: Path
+) -> None:
+    _save(s3, f"s3://{bucket}/ck", _state())
+    export_safetensors(f"s3://{bucket}/ck", f"s3://{bucket}/hf", s3.config(), select="model")
+    with pytest.raises(ConfigError, match="already holds safetensors files"):
+        export_safetensors(f"s3://{bucket}/ck", f"s3://{bucket}/hf", s3.config())
+    with pytest.raises(ConfigError, match="no tensors under 'nothing'"):
+        export_safetensors(f"s3://{bucket}/ck", tmp_path, s3.config(), select="nothing")
+
+
+def test_sizes_read_as_save_pretrained_writes_them() -> None:
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("500MiB") == 500 * 2**20
+    assert parse_size("1000") == 1000 and parse_size("1.5 kb") == 1500
+    for text in ("", "0", "5 GG", "-1MB"):
+        with pytest.raises(ConfigError, match="expected a size"):
+            parse_size(text)
+
+
+def test_a_large_file_streams_as_a_multipart_upload_of_bounded_parts(
+    s3: S3Env, bucket: str
+) -> None:
+    generator = torch.Generator().manual_seed(2)
+    state = {f"w{i}": torch.randn(1000, 1001 + i, generator=generator) for i in range(4)}
+    state["h"] = torch.randn(999, 333, generator=generator).bfloat16()
+    state["big"] = torch.randn(3000, 1001, generator=generator)  # 12 MB: over two parts
+    _save(s3, f"s3://{bucket}/ck", state)
+    export_safetensors(f"s3://{bucket}/ck", f"s3://{bucket}/hf", s3.config(**PARTS))
+    first = s3.client.head_object(Bucket=bucket, Key="hf/model.safetensors", PartNumber=1)
+    assert first["PartsCount"] >= 2
+    for number in range(1, first["PartsCount"]):  # whole parts, however the tensors fall
+        part = s3.client.head_object(Bucket=bucket, Key="hf/model.safetensors", PartNumber=number)
+        assert PARTS["part_size"] <= part["ContentLength"] < 2 * PARTS["part_size"], number
+    data = s3.client.get_object(Bucket=bucket, Key="hf/model.safetensors")["Body"].read()
+    _same(safetensors.torch.load(data), state)
