@@ -23,6 +23,7 @@ Results: a table and ``benchmarks/results/safetensors[-quick].json``.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -251,11 +252,11 @@ def main(argv: list[str] | None = None) -> int:
             }
             for what, part in (("whole model", state), ("half the layers", half)):
                 results[f"load {what}: SafetensorsReader"] = _repeat(
-                    lambda part=part: _reader_load(args.bucket, hf, config, part), args.repeat
+                    functools.partial(_reader_load, args.bucket, hf, config, part), args.repeat
                 )
                 _check(part, expected)
                 results[f"load {what}: download + safetensors.torch.load_file"] = _repeat(
-                    lambda part=part: _download_load(client, args.bucket, hf, part), args.repeat
+                    functools.partial(_download_load, client, args.bucket, hf, part), args.repeat
                 )
                 _check(part, expected)
         finally:

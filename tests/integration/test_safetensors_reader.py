@@ -22,9 +22,9 @@ from s3ckpt import (
     SafetensorsReader,
     export_safetensors,
 )
+from s3ckpt.testing.faultproxy import FaultProxy
 from tests import safetensors_workers
 from tests.conftest import S3Env
-from tests.faultproxy import FaultProxy
 
 
 def _tensors() -> dict[str, torch.Tensor]:
