@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.s3ckpt-installed
 
-.PHONY: venv test test-fast lint demo bench smoke-wheel clean
+.PHONY: venv test test-fast lint demo bench bench-smoke smoke-wheel clean
 
 venv: $(STAMP)
 
@@ -39,6 +39,10 @@ demo: venv
 
 bench: venv
 	$(PY) -m benchmarks.bench_core
+
+# Every benchmark at a tiny size (figures meaningless): none may rot between real runs.
+bench-smoke: venv
+	$(PY) -m benchmarks.smoke
 
 # The packaging: the built wheel in a fresh venv drives the CLI from outside the checkout.
 smoke-wheel:
