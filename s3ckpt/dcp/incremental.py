@@ -4,7 +4,7 @@ A save with ``incremental=True`` hashes every staged tensor chunk (`format.diges
 the chunk of the same tensor at the same offsets in the run's previous committed checkpoint (its
 *base*) has the same digest, sizes, dtype and compression, records a reference to those bytes
 instead of uploading them. The base is the committed sibling (same parent prefix) with the
-highest step below this save's (`prefix.step_of`); a checkpoint whose name has no step has no
+highest step below this save's (`layout.step_of`); a checkpoint whose name has no step has no
 base and is saved in full. References always name the object that holds the bytes
 (`layout.reference`), and the record lists the referenced objects with their frame tables, so a
 plain `S3Reader` loads it alone and ``verify`` checks those bytes too.
@@ -38,7 +38,7 @@ from ..format.layout import Location, referenced_save
 from ..format.record import Checkpoint, Chunk, Locator, TensorEntry, decode
 from ..format.record.torchmeta import DTYPE_NAMES
 from .commit import ReadLease
-from .prefix import read_record, step_of
+from .prefix import read_record
 from .references import siblings
 
 __all__ = ["Base", "Candidate", "find_base"]
@@ -138,7 +138,7 @@ class Base:
         if self.oldest is None:
             return True
         holder = referenced_save(chunk.locator.key)
-        step = step_of(self.location.name if holder is None else holder[0])
+        step = layout.step_of(self.location.name if holder is None else holder[0])
         return step is not None and step >= self.oldest
 
     @cached_property
@@ -163,7 +163,7 @@ async def find_base(
     references only checkpoints of its own window, so the window's first save is full and one
     lost or damaged object can spoil at most one window's checkpoints."""
     # A checkpoint named data-... would hide among its parent's save directories (`siblings`).
-    step = None if layout.is_save_dir(location.name) else step_of(location.prefix)
+    step = None if layout.is_save_dir(location.name) else layout.step_of(location.prefix)
     if not location.prefix or step is None:
         log.info("%s: no step in the name, so no previous checkpoint: saved in full", location.url)
         return None
@@ -171,7 +171,7 @@ async def find_base(
     older = [
         (found, sibling)
         for sibling in await siblings(store, location)
-        if (found := step_of(sibling.prefix)) is not None
+        if (found := layout.step_of(sibling.prefix)) is not None
         and found < step
         and (oldest is None or found >= oldest)
     ]

@@ -9,7 +9,6 @@ A prefix that holds nothing is often a run's prefix (``run7`` for ``run7/step-00
 from __future__ import annotations
 
 import enum
-import re
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -30,21 +29,11 @@ __all__ = [
     "read_prefix",
     "read_record",
     "saves",
-    "step_of",
 ]
 
-# The last path component is a word and the step: "step-000100", "global_step1000", "ckpt_42",
-# "7"; not "best-epoch3" or "run-2024-06-01", which are names, not steps.
-_STEP = re.compile(r"(?:[A-Za-z][A-Za-z_]*[-_]?)?(\d+)")
 # Child prefixes whose ``.metadata`` a prefix holding nothing checks (one HEAD each, the highest
 # steps first): enough to name a run's latest checkpoint, bounded for a run of thousands.
 _MAX_BELOW = 128
-
-
-def step_of(prefix: str) -> int | None:
-    """The step a checkpoint's prefix names (see `_STEP`), or None."""
-    match = _STEP.fullmatch(prefix.rpartition("/")[2])
-    return int(match.group(1)) if match else None
 
 
 class State(enum.Enum):
@@ -165,7 +154,9 @@ async def _committed_below(
         for name in names
         if name and not layout.is_save_dir(name)
     ]
-    children.sort(key=lambda c: (step_of(c.prefix) is not None, step_of(c.prefix) or 0))
+    children.sort(
+        key=lambda c: (layout.step_of(c.prefix) is not None, layout.step_of(c.prefix) or 0)
+    )
     checked = children[::-1][:_MAX_BELOW]
     heads = await gather_or_cancel(store.head(c.bucket, c.metadata_key) for c in checked)
     found = [c for c, head in zip(checked, heads, strict=True) if head is not None]

@@ -21,12 +21,14 @@ import secrets
 from dataclasses import dataclass
 
 from ..config import parse_s3_url
+from ..errors import ConfigError
 
 __all__ = [
     "LEASE_NAME",
     "LEASE_TTL",
     "METADATA_NAME",
     "PIN_GRACE",
+    "STEP_WIDTH",
     "Location",
     "data_key",
     "is_data_object",
@@ -43,6 +45,9 @@ __all__ = [
     "save_dir",
     "save_of",
     "spread_digits",
+    "step_in",
+    "step_name",
+    "step_of",
 ]
 
 METADATA_NAME = ".metadata"
@@ -244,3 +249,32 @@ def spread_digits(objects: int) -> int:
     while digits < 4 and 16**digits < objects:
         digits += 1
     return digits
+
+
+# Steps. The manager names a run's checkpoints ``step-<step>``, zero-padded to `STEP_WIDTH`
+# digits so that names sort like numbers (`step_name`), and finds its run's children by that
+# pattern alone, any width (`step_in`: strict, since retention deletes by it). Anything else
+# reads a step from whatever a checkpoint's last path component is called (`step_of`: lenient,
+# "global_step1000", "ckpt_42", "7"; not "best-epoch3" or "run-2024-06-01", which are names).
+STEP_WIDTH = 9
+_RUN_STEP = re.compile(r"step-(\d+)")
+_ANY_STEP = re.compile(r"(?:[A-Za-z][A-Za-z_]*[-_]?)?(\d+)")
+
+
+def step_name(step: int) -> str:
+    """``step-000000100`` for step 100."""
+    if step < 0:
+        raise ConfigError(f"a step must be >= 0, got {step}")
+    return f"step-{step:0{STEP_WIDTH}d}"
+
+
+def step_in(name: str) -> int | None:
+    """The step a child prefix of a run names (``step-<digits>``); None for any other name."""
+    match = _RUN_STEP.fullmatch(name)
+    return int(match.group(1)) if match else None
+
+
+def step_of(prefix: str) -> int | None:
+    """The step a checkpoint's prefix names in its last component, or None."""
+    match = _ANY_STEP.fullmatch(prefix.rpartition("/")[2])
+    return int(match.group(1)) if match else None

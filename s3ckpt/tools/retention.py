@@ -1,35 +1,15 @@
-"""Which steps a run saves and keeps, and what its checkpoints are called. Pure: no I/O.
-
-A run's checkpoints live at ``run/step-<step>``, the step zero-padded to `STEP_WIDTH` (9) digits
-so that names sort like numbers; `step_in` also accepts other widths (``step-00100``), so runs
-saved by hand before the manager existed are found too.
+"""Which steps a run saves and keeps. Pure: no I/O. What its checkpoints are called
+(``run/step-<step>``) is `s3ckpt.format.layout.step_name`.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ..errors import ConfigError
 
-__all__ = ["STEP_WIDTH", "Retention", "step_in", "step_name"]
-
-STEP_WIDTH = 9
-_NAME = re.compile(r"step-(\d+)")
-
-
-def step_name(step: int) -> str:
-    """``step-000000100`` for step 100."""
-    if step < 0:
-        raise ConfigError(f"a step must be >= 0, got {step}")
-    return f"step-{step:0{STEP_WIDTH}d}"
-
-
-def step_in(name: str) -> int | None:
-    """The step a child prefix of a run names (``step-<digits>``); None for any other name."""
-    match = _NAME.fullmatch(name)
-    return int(match.group(1)) if match else None
+__all__ = ["Retention"]
 
 
 def _at_least_one(name: str, value: int | None) -> None:

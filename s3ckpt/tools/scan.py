@@ -20,7 +20,6 @@ from typing import Any, TypeVar
 
 from ..config import parse_s3_url
 from ..dcp.prefix import AtPrefix, State, live_saves, read_prefix
-from ..dcp.prefix import step_of as step_of_prefix
 from ..engine.bridge import gather_or_cancel
 from ..engine.contract import ObjectStore, StoredObject, Upload
 from ..errors import MetadataError
@@ -43,7 +42,6 @@ __all__ = [
     "newness",
     "readable",
     "run_all",
-    "step_of",
     "survey",
     "upload_bytes",
     "uploads",
@@ -118,11 +116,6 @@ class Found:
 
 def location_of(url: str) -> Location:
     return Location(*parse_s3_url(url))
-
-
-def step_of(location: Location) -> int | None:
-    """The number the prefix's last component ends in (``step-000100``: 100)."""
-    return step_of_prefix(location.prefix)
 
 
 def newness(info: CheckpointInfo) -> tuple[bool, int, datetime]:
@@ -200,7 +193,7 @@ def found(at: AtPrefix) -> Found:
         total_bytes=checkpoint.stored_bytes + at.record_size,
         num_objects=sum(not layout.is_reference(key) for key in checkpoint.objects) + 1,
         created=created,
-        step=step_of(location),
+        step=layout.step_of(location.prefix),
         save_id=checkpoint.save_id,
         world_size=_recorded(extra, "world_size", int),
         compression=_recorded(extra, "compression", str),
@@ -272,7 +265,7 @@ async def incomplete(
         total_bytes=stored + in_parts,
         num_objects=len(data),
         created=max(written, default=datetime.fromtimestamp(0, timezone.utc)),
-        step=step_of(location),
+        step=layout.step_of(location.prefix),
         save_id=ids.pop() if len(ids) == 1 else None,
         stored_bytes=stored,
         uploads=len(pending),

@@ -19,7 +19,7 @@ from ..dcp.prefix import State, read_prefix
 from ..engine.contract import ObjectStore, StoredObject, Upload
 from ..format import layout
 from ..format.layout import Location
-from .scan import Found, found, incomplete, newness, readable, run_all, step_of
+from .scan import Found, found, incomplete, newness, readable, run_all
 
 __all__ = ["Listed", "latest", "listed", "survey_all", "tree_order"]
 
@@ -140,7 +140,9 @@ async def latest(store: ObjectStore, location: Location) -> Found | None:
     by_step: dict[int | None, list[Location]] = {}
     for candidate in await listed(store, location):
         if candidate.record:
-            by_step.setdefault(step_of(candidate.location), []).append(candidate.location)
+            by_step.setdefault(layout.step_of(candidate.location.prefix), []).append(
+                candidate.location
+            )
     for step in sorted(by_step, key=lambda s: (s is not None, s or 0), reverse=True):
         found = await run_all(lambda c: readable(store, c), by_step[step], store)
         committed = [f for f in found if f is not None]

@@ -32,8 +32,8 @@ from s3ckpt import (
     S3Writer,
 )
 from s3ckpt.format import layout
+from s3ckpt.format.layout import step_name
 from s3ckpt.tools.catalog import delete, gc
-from s3ckpt.tools.retention import step_name
 from tests import manager_workers
 from tests.helpers import listing, raised
 

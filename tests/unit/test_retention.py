@@ -7,7 +7,8 @@ import pytest
 
 from s3ckpt import ConfigError, S3Config
 from s3ckpt.format import layout
-from s3ckpt.tools.retention import Retention, step_in, step_name
+from s3ckpt.format.layout import step_in, step_name
+from s3ckpt.tools.retention import Retention
 
 TWENTY = range(1, 21)
 

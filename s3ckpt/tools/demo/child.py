@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from ..retention import step_name
+from ...format.layout import step_name
 
 __all__ = ["Child", "DemoError"]
 

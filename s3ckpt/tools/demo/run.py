@@ -17,8 +17,8 @@ from ...config import parse_s3_url
 from ...engine import bridge
 from ...engine.contract import ObjectStore
 from ...engine.store import get_store
+from ...format.layout import step_name
 from .. import catalog
-from ..retention import step_name
 from . import report
 from .child import Child, DemoError
 

@@ -32,8 +32,7 @@ from ... import CheckpointManager
 from ...engine import bridge
 from ...engine.contract import ObjectStore
 from ...engine.store import get_store
-from ...format.layout import Location
-from ..retention import step_name
+from ...format.layout import Location, step_name
 
 __all__ = ["Batches", "TinyLM", "Training", "corpus", "train"]
 

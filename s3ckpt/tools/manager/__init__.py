@@ -28,8 +28,8 @@ from ...config import S3Config, WriteOptions
 from ...dcp.writer import S3Writer
 from ...engine import bridge
 from ...errors import CheckpointError, ConfigError, S3CkptError
-from ...format.layout import Location
-from ..retention import Retention, step_name
+from ...format.layout import Location, step_name
+from ..retention import Retention
 from . import restore as restoring
 from .collective import groups, release
 from .run import Run, committed, prune

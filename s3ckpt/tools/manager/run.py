@@ -22,9 +22,9 @@ from ...engine import bridge
 from ...engine.contract import ObjectStore
 from ...engine.store import get_store
 from ...errors import CheckpointNotFound
-from ...format.layout import Location
+from ...format.layout import Location, step_in, step_name
 from .. import removal, scan
-from ..retention import Retention, step_in, step_name
+from ..retention import Retention
 from .collective import Agreement
 
 __all__ = ["Run", "children", "committed", "prune"]

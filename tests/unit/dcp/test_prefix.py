@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from s3ckpt.dcp.prefix import step_of
+from s3ckpt.format.layout import step_of
 
 
 @pytest.mark.parametrize(
