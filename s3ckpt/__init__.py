@@ -31,6 +31,7 @@ from .errors import (
     ObjectNotFound,
     PreconditionFailed,
     S3CkptError,
+    StateDictMismatch,
     StorageError,
     UnsafeCheckpoint,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "S3Config",
     "S3Reader",
     "S3Writer",
+    "StateDictMismatch",
     "StorageError",
     "UnsafeCheckpoint",
     "WriteOptions",

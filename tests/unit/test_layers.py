@@ -125,6 +125,7 @@ def test_the_public_names_of_s3ckpt() -> None:
         "S3Config",
         "S3Reader",
         "S3Writer",
+        "StateDictMismatch",
         "StorageError",
         "UnsafeCheckpoint",
         "WriteOptions",
