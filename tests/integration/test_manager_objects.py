@@ -159,3 +159,17 @@ def test_a_shape_mismatch_names_the_key_and_both_shapes(s3: Any, bucket: str) ->
     assert "model.0.weight: saved with shape (16, 8), loading into (32, 8)" in message
     assert f"s3://{bucket}/{RUN}/step-000000001" in message
     assert info.value.url == f"s3://{bucket}/{RUN}/step-000000001"
+
+
+def test_saving_the_restored_step_again_says_the_loop_repeats_it(
+    s3: Any, bucket: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    model, optimizer = trained(1)
+    state = {"model": model, "optim": optimizer}
+    with manager(s3, bucket) as mgr:
+        mgr.save(1, state, sync=True)
+    with caplog.at_level(logging.WARNING), manager(s3, bucket) as mgr:
+        start = mgr.restore(state)
+        assert not mgr.save(start or 0, state, sync=True)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("the step restore() loaded" in m for m in warned), warned

@@ -148,6 +148,7 @@ class CheckpointManager:
         self._damaged: set[int] = set()  # skipped by restore: a save of the step replaces them
         self._leftovers: dict[int, Location] = {}
         self._warned: set[str] = set()  # keys warn_stateless has warned about
+        self._restored: int | None = None
         self._closed = False
         self.signal_received: int | None = None
         self._received: int | None = None
@@ -216,6 +217,7 @@ class CheckpointManager:
         with self._lock:
             self._damaged.update(restored.skipped)
             if restored.step is not None:
+                self._restored = restored.step
                 self._known.add(restored.step)
                 self._damaged.discard(restored.step)
         if restored.step is None:
@@ -316,7 +318,14 @@ class CheckpointManager:
         self._surface(block=True)  # one save at a time
         url = self._run.at(step).url
         if self._is_known(step):
-            log.info("%s is already committed: not saved again", url)
+            if step == self._restored:
+                log.warning(
+                    "%s is the step restore() loaded: not saved again, but the loop ran it "
+                    "again; resume at the step after it (range(start + 1, ...))",
+                    url,
+                )
+            else:
+                log.info("%s is already committed: not saved again", url)
             return False
         warn_stateless(url, step, state_dict, self._warned)
         state = stateful(state_dict)

@@ -299,7 +299,7 @@ def nothing(run: Run, required: bool) -> None:
     beside = _siblings(run) if required or run.agreement.coordinator else []
     shown = ", ".join(beside[:_SIBLINGS_SHOWN])
     more = f" and {len(beside) - _SIBLINGS_SHOWN} more" if len(beside) > _SIBLINGS_SHOWN else ""
-    also = f"; beside it: {shown}{more}" if beside else ""
+    also = f" (other runs beside it: {shown}{more})" if beside else ""
     if required:
         raise CheckpointNotFound(f"{url} holds no checkpoint to restore{also}", url=url)
     log.warning("%s holds no checkpoint: starting from scratch%s", url, also)
