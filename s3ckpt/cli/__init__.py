@@ -138,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args = build_parser().parse_args(argv)
         except SystemExit as e:  # --help or --version (0), or a usage error reported (2)
             return e.code if isinstance(e.code, int) else EXIT_USAGE
-    with errors_as_json(args.json), _log_to_stderr(args.verbose):
+    with errors_as_json(args.json, getattr(args, "url", None)), _log_to_stderr(args.verbose):
         return _run(args)
 
 

@@ -110,9 +110,16 @@ def _compression(info: CheckpointInfo, *, short: bool = False) -> str:
 def _latest(session: Session) -> int:
     from ..tools import catalog
 
-    info = catalog.latest(session.args.url, session.config)
-    if info is None:
+    tied = catalog.highest(session.args.url, session.config)
+    if not tied:
         return fail(f"no committed checkpoint at or under {session.args.url}", EXIT_NOT_FOUND)
+    info, others = tied[0], tied[1:]
+    if others:
+        print(
+            f"s3ckpt: note: {len(tied)} checkpoints have the highest step, {info.step}: this is "
+            f"the newest; also {', '.join(o.url for o in others)}",
+            file=sys.stderr,
+        )
     session.emit(as_plain(info), info.url)
     return EXIT_OK
 
@@ -233,7 +240,8 @@ def _at_least_one(text: str) -> int:
         help="keep the N newest checkpoints (--keep is the older spelling)",
     ),
     arg("--keep-every", type=_at_least_one, metavar="K", help="also keep every K-th step"),
-    destructive=_always,
+    arg("--dry-run", action="store_true", help="only list what would be deleted"),
+    destructive=lambda args: not args.dry_run,
 )
 def _prune(session: Session) -> int:
     from ..tools import catalog
@@ -244,8 +252,13 @@ def _prune(session: Session) -> int:
         return fail("prune: say what to keep: --keep-last N, --keep-every K or both", EXIT_USAGE)
     retention = Retention(keep_last=args.keep_last, keep_every=args.keep_every)
 
+    would: list[CheckpointInfo] = []
+
     def ask(victims: list[CheckpointInfo]) -> bool:
         nonlocal declined
+        if args.dry_run:
+            would.extend(victims)
+            return False
         listing = "\n".join(f"  {v.url}  ({human_size(v.total_bytes)})" for v in victims)
         question = f"Delete these {len(victims)} checkpoints, keeping {_kept(retention)}?"
         declined = not session.confirm(f"{question}\n{listing}\n")
@@ -257,6 +270,10 @@ def _prune(session: Session) -> int:
         )
     if declined:
         return fail("not confirmed; nothing was deleted", EXIT_ERROR)
+    if args.dry_run:
+        lines = [f"would delete {v.url}  ({human_size(v.total_bytes)})" for v in would]
+        session.emit([as_plain(v) for v in would], "\n".join(lines) or "nothing to prune")
+        return EXIT_OK
     text = "\n".join(f"deleted {i.url}" for i in deleted) or "nothing to prune"
     session.emit([as_plain(i) for i in deleted], text)
     return EXIT_OK

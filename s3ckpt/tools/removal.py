@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from ..config import S3Config
-from ..dcp.prefix import saves
+from ..dcp.prefix import read_prefix, saves
 from ..dcp.references import Record, protected, run_of
 from ..engine import bridge
 from ..engine.contract import ObjectStore, StoredObject, Upload
@@ -219,11 +219,28 @@ async def _plan_delete(store: ObjectStore, location: Location) -> _Target:
         running = " but a running save's (its lease is live)" if data or pending else ""
         if foreign:
             running += f"; {_foreign_text(location.bucket, foreign)}"
+        elif not running:
+            await _refuse_a_run(store, location)
         raise CheckpointNotFound(
             f"no checkpoint at {location.url} (no .metadata, data objects or uploads{running})",
             url=location.url,
         )
     return target
+
+
+async def _refuse_a_run(store: ObjectStore, location: Location) -> None:
+    """Nothing at ``location`` itself: if checkpoints are below it, it is a run, and the error
+    says so as ``info`` does (how many, the latest), and what deletes a run's checkpoints."""
+    at = await read_prefix(store, location)
+    if not at.below:
+        return
+    try:
+        at.require()
+    except CheckpointNotFound as e:
+        raise e.reworded(
+            f"{e.message}; rm deletes one checkpoint: `s3ckpt prune {location.url} "
+            "--keep-last N` thins a run out"
+        ) from None
 
 
 def _foreign_text(bucket: str, keys: tuple[str, ...]) -> str:

@@ -226,3 +226,14 @@ def test_a_bar_counts_bytes_and_shows_objects_and_keeps_two_argument_calls(
     quiet = Session(argparse.Namespace(json=True, command="rm"), S3Config())
     with quiet.progress() as bar:
         assert bar is None
+
+
+def test_a_bar_is_drawn_at_its_first_count_not_before(monkeypatch: pytest.MonkeyPatch) -> None:
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    session = Session(argparse.Namespace(json=False, command="prune", yes=True), S3Config())
+    with session.progress() as bar:
+        assert bar is not None
+        assert terminal.getvalue() == ""  # a prompt written now stands alone on its line
+        bar(1, 2)
+    assert "1/2" in terminal.getvalue()
