@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from ..tools.retention import Retention
 
 _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+_REASONS_SHOWN = 20  # gc's kept objects listed with their reason; --json has all
 
 
 @command(
@@ -345,9 +346,10 @@ def _gc(session: Session) -> int:
         lines += [f"  upload s3://{report.bucket}/{u.key}" for u in report.aborted]
     if report.skipped or report.skipped_uploads:
         young = f"{len(report.skipped)} objects and {len(report.skipped_uploads)} uploads"
-        lines.append(
-            f"kept {young}: younger than {args.older_than}, of a running save (its lease is "
-            "live) or of a checkpoint whose record cannot be read"
-        )
+        lines.append(f"kept {young}, each for the reason given:")
+    shown = report.reasons[:_REASONS_SHOWN]
+    lines += [f"  kept s3://{report.bucket}/{key}: {reason}" for key, reason in shown]
+    if len(report.reasons) > len(shown):
+        lines.append(f"  and {len(report.reasons) - len(shown)} more (--json lists them all)")
     session.emit(as_plain(report), "\n".join(lines))
     return EXIT_OK

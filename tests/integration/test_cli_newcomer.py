@@ -67,3 +67,25 @@ def test_latest_says_when_runs_tie_at_the_highest_step(cli: Cli, s3: S3Env, buck
     code, out, err = cli("latest", f"s3://{bucket}")
     assert code == 0 and out == f"s3://{bucket}/b/step-5\n"  # the newest of the tie
     assert "2 checkpoints have the highest step, 5" in err and f"s3://{bucket}/a/step-5" in err
+
+
+def test_gc_names_the_reason_for_each_object_it_keeps(cli: Cli, s3: S3Env, bucket: str) -> None:
+    running = [  # a save with a live lease: running, whatever its age
+        "ck/data-0123456789abcdef01234567/00000-000-abcdef",
+        "ck/data-0123456789abcdef01234567/.lease",
+    ]
+    recent = "ck/data-fedcba9876543210fedcba98/00000-000-abcdef"  # no lease, just written
+    for key in [*running, recent]:
+        s3.client.put_object(Bucket=bucket, Key=key, Body=b"x" * 100)
+    code, out, err = cli("gc", f"s3://{bucket}/ck", "--older-than", "1h", "--dry-run")
+    assert code == 0, err
+    reasons = {
+        line.split(": ", 1)[0].split("/", 3)[-1]: line.split(": ", 1)[1]
+        for line in out.splitlines()
+        if line.startswith("  kept s3://")
+    }
+    assert set(reasons) == {*running, recent}, out
+    assert all("its lease is live" in reasons[key] for key in running), reasons
+    assert "wrote within --older-than (1:00:00)" in reasons[recent], reasons
+    code, out, _ = cli("--json", "gc", f"s3://{bucket}/ck", "--older-than", "1h", "--dry-run")
+    assert {key for key, _ in json.loads(out)["reasons"]} == {*running, recent}
