@@ -6,13 +6,16 @@ there is nothing to load, when only part of the state is wanted, or when the sta
 from __future__ import annotations
 
 import logging
+import socket
 from typing import Any
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 from torch import nn
 
 from s3ckpt import CheckpointManager, CheckpointNotFound, ConfigError, StateDictMismatch
+from tests import manager_workers
 
 pytestmark = pytest.mark.parametrize("s3", ["moto"], indirect=True)
 
@@ -173,3 +176,28 @@ def test_saving_the_restored_step_again_says_the_loop_repeats_it(
         assert not mgr.save(start or 0, state, sync=True)
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("the step restore() loaded" in m for m in warned), warned
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_fsdp2_objects_saved_on_two_ranks_restore_on_one_with_their_moments(
+    s3: Any, bucket: str
+) -> None:
+    url = f"s3://{bucket}/{RUN}"
+    args = (2, free_port(), s3.config(), url)
+    mp.spawn(manager_workers.save_fsdp2_objects, args=args, nprocs=2)
+
+    model, optimizer = manager_workers.model_and_optimizer()
+    with manager(s3, bucket) as mgr:
+        assert mgr.restore({"model": model, "optim": optimizer}) == 3
+    expected, expected_optimizer = manager_workers.model_and_optimizer()
+    for step in (1, 2, 3):
+        manager_workers.train_step(expected, expected_optimizer, step)
+    manager_workers.assert_model_is(model, expected)
+    for got, want in zip(moments(optimizer), moments(expected_optimizer), strict=True):
+        torch.testing.assert_close(got, want)
