@@ -180,6 +180,7 @@ def test_readme_quick_start_as_printed(served: dict[str, Any], tmp_path: Path) -
         [sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True
     )
     assert done.returncode == 0, f"the README snippet failed:\n{done.stdout}\n{done.stderr}"
+    assert not done.stderr.strip(), f"the README snippet printed warnings:\n{done.stderr}"
 
     walk_the_training_loop(env, tmp_path, served)
 

@@ -14,6 +14,7 @@ from ..engine.contract import ObjectStore
 from ..engine.store import get_store
 from ..errors import ConfigError
 from ..format.layout import Location
+from . import hush
 
 __all__ = ["AtLocation", "to_torch_future"]
 
@@ -24,6 +25,7 @@ class AtLocation:
     """A storage adapter for the checkpoint at ``location``, using the store for ``config``."""
 
     def __init__(self, bucket: str, prefix: str, config: S3Config | None) -> None:
+        hush.install()  # torch's noise around s3ckpt's calls (`hush`)
         self.location = Location.of(bucket, prefix)
         self.config = config or S3Config()
         self._resolved: tuple[int, ObjectStore] | None = None

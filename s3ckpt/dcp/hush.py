@@ -1,18 +1,30 @@
-"""Torch's ``dcp.load`` logs a failed ``read_metadata`` on the root logger, with its traceback
-("Global metadata is not found. Falling back to rank local metadata."), before it re-raises
-the failure as an ``AssertionError``. When the failure is s3ckpt's own typed error, that
-traceback is noise in front of the message that matters: this filter drops just those records.
+"""Noise torch prints around s3ckpt's calls, filtered once an `S3Writer` or `S3Reader` exists.
+
+- ``dcp.save``/``dcp.load`` without an initialised process group warn, at every call, that
+  torch.distributed is disabled and that one process is assumed (also with ``no_dist=True``):
+  a single-process save to s3ckpt is that by design, and a quick start should print nothing.
+  The filter is on that message only, and process-wide: a background save warns from its own
+  thread.
+- ``dcp.load`` logs a failed ``read_metadata`` on the root logger, with its traceback ("Global
+  metadata is not found. Falling back to rank local metadata."), before it re-raises the
+  failure as an ``AssertionError``. When the failure is s3ckpt's own typed error, that traceback
+  is noise in front of the message that matters: the filter drops just those records.
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 
 from ..errors import S3CkptError
 
 __all__ = ["install"]
 
 _FALLBACK = "Global metadata is not found"
+_SINGLE_PROCESS = (
+    "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to "
+    "(save|load) in a single process"
+)
 
 
 class _OwnErrors(logging.Filter):
@@ -25,7 +37,9 @@ _FILTER = _OwnErrors()
 
 
 def install() -> None:
-    """Add the filter to the root logger, where torch 2.13's loader logs (idempotent)."""
+    """Both filters (idempotent): the warning's, and the root logger's, where torch 2.13's
+    loader logs."""
+    warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
     root = logging.getLogger()
     if _FILTER not in root.filters:
         root.addFilter(_FILTER)

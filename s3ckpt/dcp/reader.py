@@ -40,7 +40,7 @@ from ..format.readplan import Fetch, Target, plan_fetches
 from ..format.record import Checkpoint, Locator
 from ..format.sharing import Span
 from ..format.tensorbytes import memory_of
-from . import group, hush
+from . import group
 from .adapter import AtLocation, to_torch_future
 from .exchange import Pieces
 from .fit import check_fit
@@ -49,8 +49,6 @@ from .prefix import read_prefix
 from .reads import run_all
 
 __all__ = ["S3Reader"]
-
-hush.install()
 
 
 class S3Reader(AtLocation, StorageReader):

@@ -8,12 +8,10 @@ on a second one, from the training thread, while a background save may be using 
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.distributed as dist
 
-__all__ = ["Agreement", "groups", "hush_single_process", "release"]
+__all__ = ["Agreement", "groups", "release"]
 
 
 class Agreement:
@@ -50,7 +48,6 @@ def groups(
     `release`). Creating groups is itself collective: every rank of the default group calls
     this, once per manager."""
     if not (dist.is_available() and dist.is_initialized()):
-        hush_single_process()
         return None, Agreement(None), []
     ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
     saving = process_group if process_group is not None else dist.new_group(backend="gloo")
@@ -66,14 +63,3 @@ def release(created: list[dist.ProcessGroup]) -> None:
         for group in created:
             dist.destroy_process_group(group)
     created.clear()
-
-
-def hush_single_process() -> None:
-    """Without a process group DCP warns, on every save and load, that torch.distributed is not
-    initialised: a single-process manager chose that, so its user is not told at each save.
-    (The filter is process-wide: a background save warns from its own thread.)"""
-    warnings.filterwarnings(
-        "ignore",
-        message="torch.distributed is disabled, unavailable or uninitialized, assuming the "
-        "intent is to (save|load) in a single process",
-    )
