@@ -33,6 +33,7 @@ from .errors import (
     ObjectNotFound,
     PreconditionFailed,
     S3CkptError,
+    StateDictMismatch,
     StorageError,
     UnsafeCheckpoint,
 )
@@ -65,6 +66,7 @@ __all__ = [
     "S3Reader",
     "S3Writer",
     "SafetensorsReader",
+    "StateDictMismatch",
     "StorageError",
     "UnsafeCheckpoint",
     "WriteOptions",

@@ -54,9 +54,13 @@ class S3Config:
     third cut fails it). An attempt past its deadline fails transiently (``StorageError``, code
     ``ResponseTimeout``), retried while the window lasts (with the defaults it does not: the 65 s
     deadline outlasts the 60 s window), so a store that stays down, silent or dribbling, fails a
-    request after ``retry_timeout`` plus one attempt's deadline. ``checksum`` is what uploads
-    carry so that the server refuses damaged bytes (see `s3ckpt.engine.wire`; ``auto`` asks each
-    bucket once).
+    request after ``retry_timeout`` plus one attempt's deadline. ``first_contact_timeout``, when
+    set, is the window instead until the store has answered once (any HTTP answer): the CLI sets
+    5 s, so that a mistyped or dead endpoint fails a command within seconds, while a training
+    job keeps the whole window (its store may be restarting as the job starts). The first retry
+    of a window logs one WARNING naming the endpoint, the cause and how long retries go on.
+    ``checksum`` is what uploads carry so that the server refuses damaged bytes (see
+    `s3ckpt.engine.wire`; ``auto`` asks each bucket once).
     ``max_record_size`` is the largest commit record (``.metadata``) a load or a tool will read:
     a larger one is refused with MetadataError before its bytes are downloaded.
     ``adapt_to_throttling``: once the store answers 503 ``SlowDown``, 429 or another throttling
@@ -81,6 +85,7 @@ class S3Config:
     read_timeout: float = 60.0
     max_attempts: int | None = None
     retry_timeout: float = 60.0
+    first_contact_timeout: float | None = None
     # 1 MiB/s, with the read_timeout of slack on top: a GET of a 16 MiB part is cut only after
     # 76 s, so only below about 220 KB/s (a 100 Mbit/s link shared by the 16 default streams
     # still gives each 780 KB/s). What it cuts is a trickle (a failing disk or proxy) that
@@ -119,6 +124,11 @@ class S3Config:
             raise ConfigError(f"max_attempts must be None or >= 1, got {self.max_attempts}")
         if self.retry_timeout <= 0:
             raise ConfigError(f"retry_timeout must be > 0 seconds, got {self.retry_timeout}")
+        if self.first_contact_timeout is not None and self.first_contact_timeout <= 0:
+            raise ConfigError(
+                f"first_contact_timeout must be None or > 0 seconds, got "
+                f"{self.first_contact_timeout}"
+            )
         if self.min_read_rate <= 0:
             raise ConfigError(f"min_read_rate must be > 0 bytes/s, got {self.min_read_rate}")
         if self.connect_timeout <= 0 or self.read_timeout <= 0:

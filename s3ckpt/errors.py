@@ -19,6 +19,7 @@ why. All of them pickle, because DCP ships a failing rank's exception to the coo
         ├── CommitOutcomeUnknown  every answer to the commit was lost: it may or may not exist
         ├── CheckpointExists      saving over a committed checkpoint without ``overwrite=True``
         ├── UnsafeCheckpoint      a non-tensor value would run code when unpickled
+        ├── StateDictMismatch     the state to load into does not fit the checkpoint
         └── MetadataError         ``.metadata`` is truncated, garbled or from a newer format
 """
 
@@ -43,6 +44,7 @@ __all__ = [
     "ObjectNotFound",
     "PreconditionFailed",
     "S3CkptError",
+    "StateDictMismatch",
     "StorageError",
     "UnsafeCheckpoint",
 ]
@@ -231,6 +233,15 @@ class UnsafeCheckpoint(CheckpointError):
     ) -> None:
         super().__init__(message, url=url)
         self.fqn, self.bucket, self.key, self.cause = fqn, bucket, key, cause
+
+
+class StateDictMismatch(CheckpointError):
+    """The state to load into does not fit the checkpoint at ``url``: ``mismatches`` lists, per
+    key, a tensor whose shape differs (both shapes) or a key the checkpoint lacks."""
+
+    def __init__(self, message: str, *, url: str, mismatches: list[str]) -> None:
+        super().__init__(message, url=url)
+        self.mismatches = mismatches
 
 
 class MetadataError(CheckpointError):

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from s3ckpt import CheckpointManager, S3Config
@@ -103,3 +104,25 @@ def train_until_signalled(config: S3Config, url: str, steps: Any) -> None:
         weights += 1
         time.sleep(0.05)  # a step's work, during which the signal may arrive
         manager.save(step, {"w": weights, "step": step})
+
+
+@leaves_at_once
+def save_fsdp2_objects(rank: int, world: int, port: int, config: S3Config, url: str) -> None:
+    """Train the shared model for 3 steps as FSDP2 (``fully_shard``) on ``world`` ranks and save
+    step 3 giving the manager the module and optimizer themselves."""
+    _init(rank, world, port)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        model, _ = model_and_optimizer()
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        assert isinstance(next(model.parameters()), DTensor)
+        for step in (1, 2, 3):
+            train_step(model, optimizer, step)
+        with CheckpointManager(url, config=config) as manager:
+            assert manager.save(3, {"model": model, "optim": optimizer}, sync=True)
+    finally:
+        dist.destroy_process_group()

@@ -1,9 +1,13 @@
 """The README's quick start, walked as printed: ``s3ckpt serve``, ``s3ckpt mb``, the Python
-snippet, ``s3ckpt ls`` and ``s3ckpt latest``, then a load of what the snippet saved.
+snippet, the training loop with a `CheckpointManager` (SIGKILLed midway and run again),
+``s3ckpt ls`` and ``s3ckpt latest``, then a load of what the snippets saved.
 
 The commands are the README's own lines (serve gets a temporary --dir, a free --port and --json
-so that the test can read its settings); the snippet is the fenced block after
-``<!-- quickstart -->``, written to a file and run in a fresh interpreter.
+so that the test can read its settings); the snippets are the fenced blocks after
+``<!-- quickstart -->`` and ``<!-- quickstart-manager -->``, written to files and run in fresh
+interpreters. The kill comes from a wrapper that runs the loop unchanged and SIGKILLs the
+process right after the save of `KILL_AT` has started: a kill mid-upload, at the same point on
+any machine.
 """
 
 from __future__ import annotations
@@ -30,7 +34,31 @@ from s3ckpt import S3Config, S3Reader
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 MARKER = "<!-- quickstart -->"
+MANAGER_MARKER = "<!-- quickstart-manager -->"
 CHECKPOINT = "run1/step-000100"
+TRAIN_URL = "s3://demo/train"
+LAST_STEP = "step-000000060"
+KILL_AT = 30
+
+KILLER = """
+import os, runpy, signal, sys
+
+from s3ckpt.tools.manager import CheckpointManager
+
+kill_at, script = int(sys.argv[1]), sys.argv[2]
+save = CheckpointManager.save
+
+
+def save_then_die(self, step, state_dict, *args, **kwargs):
+    started = save(self, step, state_dict, *args, **kwargs)
+    if step == kill_at:
+        os.kill(os.getpid(), signal.SIGKILL)  # while this step's save uploads
+    return started
+
+
+CheckpointManager.save = save_then_die
+runpy.run_path(script, run_name="__main__")
+"""
 
 
 def quick_start() -> str:
@@ -41,11 +69,11 @@ def quick_start() -> str:
     return match.group(1)
 
 
-def snippet() -> str:
-    """The fenced Python block right after the marker."""
+def snippet(marker: str = MARKER) -> str:
+    """The fenced Python block right after ``marker``."""
     section = quick_start()
-    match = re.search(re.escape(MARKER) + r"\s*```python\n(.*?)```", section, re.DOTALL)
-    assert match, f"no ```python block right after {MARKER} in the quick start"
+    match = re.search(re.escape(marker) + r"\s*```python\n(.*?)```", section, re.DOTALL)
+    assert match, f"no ```python block right after {marker} in the quick start"
     return match.group(1)
 
 
@@ -152,6 +180,9 @@ def test_readme_quick_start_as_printed(served: dict[str, Any], tmp_path: Path) -
         [sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True
     )
     assert done.returncode == 0, f"the README snippet failed:\n{done.stdout}\n{done.stderr}"
+    assert not done.stderr.strip(), f"the README snippet printed warnings:\n{done.stderr}"
+
+    walk_the_training_loop(env, tmp_path, served)
 
     listed = run(command("ls"), env, tmp_path)  # a tree: run1/, then step-000100 under it
     run_name, step_name = CHECKPOINT.split("/")
@@ -159,19 +190,76 @@ def test_readme_quick_start_as_printed(served: dict[str, Any], tmp_path: Path) -
     latest = run(command("latest"), env, tmp_path)
     assert f"s3://{bucket}/{CHECKPOINT}" in latest, latest
 
+    tensors = every_tensor(served, bucket, CHECKPOINT)
+    assert tensors, "the snippet's checkpoint holds no tensors"
+    assert any(bool(t.any()) for t in tensors.values()), "every loaded tensor is zero"
+
+
+def every_tensor(served: dict[str, Any], bucket: str, prefix: str) -> dict[str, torch.Tensor]:
+    """Each tensor of the checkpoint at ``prefix``, loaded by name as the record lists them."""
     config = S3Config(
         endpoint_url=served["AWS_ENDPOINT_URL"],
         access_key_id=served["AWS_ACCESS_KEY_ID"],
         secret_access_key=served["AWS_SECRET_ACCESS_KEY"],
         region=served["AWS_REGION"],
     )
-    reader = S3Reader(bucket, CHECKPOINT, config=config)
+    reader = S3Reader(bucket, prefix, config=config)
     reader.check()
     tensors = {
         fqn: torch.zeros(tuple(entry.size), dtype=entry.properties.dtype)
         for fqn, entry in reader.read_metadata().state_dict_metadata.items()
         if isinstance(entry, TensorStorageMetadata)
     }
-    assert tensors, "the snippet's checkpoint holds no tensors"
-    dcp.load(tensors, storage_reader=reader)
-    assert any(bool(t.any()) for t in tensors.values()), "every loaded tensor is zero"
+    dcp.load(tensors, storage_reader=reader, no_dist=True)
+    return tensors
+
+
+def python(script: Path, env: dict[str, str], cwd: Path, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, str(script), *args],
+        env=env,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def finished(proc: subprocess.Popen[str]) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=300)
+    return proc.returncode, out, err
+
+
+def walk_the_training_loop(env: dict[str, str], tmp_path: Path, served: dict[str, Any]) -> None:
+    """The manager snippet: SIGKILLed mid-upload and run again, then compared tensor by tensor
+    with the same snippet run once, uninterrupted, into another run."""
+    code = snippet(MANAGER_MARKER)
+    assert TRAIN_URL in code, f"the manager snippet should save to {TRAIN_URL}"
+    script, reference = tmp_path / "train.py", tmp_path / "reference.py"
+    script.write_text(code)
+    reference.write_text(code.replace(TRAIN_URL, TRAIN_URL.replace("train", "reference")))
+    killer = tmp_path / "killer.py"
+    killer.write_text(KILLER)
+
+    status, _, err = finished(python(killer, env, tmp_path, str(KILL_AT), str(script)))
+    assert status == -signal.SIGKILL, f"the first run was not killed ({status}):\n{err}"
+    notices = [line for line in err.splitlines() if line.strip()]
+    said = f"{TRAIN_URL} holds no checkpoint: starting from scratch (other runs beside it: run1)"
+    assert notices == [said], notices  # the one line the README announces, and no warnings
+
+    status, out, err = finished(python(script, env, tmp_path))
+    assert status == 0, f"the restarted run failed:\n{out}\n{err}"
+    assert not err.strip(), f"the restarted run printed warnings:\n{err}"
+    resumed = re.search(r"resumed after step (\d+)", out)
+    assert resumed and int(resumed.group(1)) in (KILL_AT - 10, KILL_AT), out
+
+    status, out, err = finished(python(reference, env, tmp_path))
+    assert status == 0 and "resumed after step None" in out, f"{out}\n{err}"
+
+    bucket = TRAIN_URL.split("/")[2]
+    killed = every_tensor(served, bucket, f"train/{LAST_STEP}")
+    whole = every_tensor(served, bucket, f"reference/{LAST_STEP}")
+    assert killed.keys() == whole.keys()
+    assert any(".exp_avg" in fqn for fqn in whole), f"no optimizer moments saved: {list(whole)}"
+    differing = [fqn for fqn in whole if not torch.equal(killed[fqn], whole[fqn])]
+    assert not differing, f"the resumed run differs from the uninterrupted one in {differing}"

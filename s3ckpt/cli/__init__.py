@@ -42,6 +42,10 @@ from .base import (
 
 __all__ = ["URL", "Session", "arg", "build_parser", "command", "main"]
 
+# The retry window until the store first answers: a refused or silent endpoint (a typo, a
+# server not started) fails an interactive command in seconds; --retry-timeout replaces it.
+FIRST_CONTACT_S = 5.0
+
 
 def _add_connection_options(parser: argparse.ArgumentParser, default: Any) -> None:
     """On the main parser and on each subcommand, so options go before or after it. The
@@ -66,8 +70,9 @@ def _add_connection_options(parser: argparse.ArgumentParser, default: Any) -> No
         "--retry-timeout",
         type=float,
         metavar="SECONDS",
-        help="how long to retry a store that fails transiently (default 60); then one error "
-        "says why, and -v shows each retry",
+        help="how long to retry a store that fails transiently (default 60, and 5 until the "
+        "store first answers: a refused endpoint fails within seconds); then one error says "
+        "why, and -v shows each retry",
         **unset,
     )
     flag: dict[str, Any] = {"action": "store_true", "default": default is not None and default}
@@ -112,6 +117,8 @@ def _config(args: argparse.Namespace) -> S3Config:
         tuning["max_concurrency"] = args.max_concurrency
     if args.retry_timeout is not None:
         tuning["retry_timeout"] = args.retry_timeout
+    else:  # a dead or mistyped endpoint fails a command within seconds, not after a minute
+        tuning["first_contact_timeout"] = FIRST_CONTACT_S
     return S3Config(
         endpoint_url=args.endpoint_url,
         region=args.region,
@@ -131,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args = build_parser().parse_args(argv)
         except SystemExit as e:  # --help or --version (0), or a usage error reported (2)
             return e.code if isinstance(e.code, int) else EXIT_USAGE
-    with errors_as_json(args.json), _log_to_stderr(args.verbose):
+    with errors_as_json(args.json, getattr(args, "url", None)), _log_to_stderr(args.verbose):
         return _run(args)
 
 

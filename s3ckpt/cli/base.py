@@ -61,10 +61,13 @@ _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 _KINDS = {
     EXIT_ERROR: "Error",
     EXIT_USAGE: "UsageError",
-    EXIT_NOT_FOUND: "NotFound",
+    EXIT_NOT_FOUND: "CheckpointNotFound",
     130: "KeyboardInterrupt",
 }
 _json_errors = contextvars.ContextVar("s3ckpt_json_errors", default=False)
+_command_url: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "s3ckpt_command_url", default=None
+)
 
 
 def arg(*flags: str, **options: Any) -> Arg:
@@ -134,20 +137,29 @@ class Session:
             yield None
             return
         title = desc or self.args.command
-        with tqdm(total=0, unit=unit, desc=title, file=sys.stderr, **_scaled(unit)) as bar:
+        # Drawn at the first count, not before: a command that asks first (rm, prune, gc)
+        # counts only once the answer is in, so the bar never collides with the question.
+        bars: list[tqdm[Any]] = []
 
-            def update(
-                done: int, total: int, done_bytes: int | None = None, total_bytes: int | None = None
-            ) -> None:
-                if done_bytes is not None and total_bytes is not None:
-                    if bar.unit != "B":
-                        bar.unit, bar.unit_scale, bar.unit_divisor = "B", True, 1024
-                    bar.set_postfix_str(f"{done}/{total} {unit}", refresh=False)
-                    done, total = done_bytes, total_bytes
-                bar.total = total
-                bar.update(done - bar.n)
+        def update(
+            done: int, total: int, done_bytes: int | None = None, total_bytes: int | None = None
+        ) -> None:
+            if not bars:
+                bars.append(tqdm(total=0, unit=unit, desc=title, file=sys.stderr, **_scaled(unit)))
+            bar = bars[0]
+            if done_bytes is not None and total_bytes is not None:
+                if bar.unit != "B":
+                    bar.unit, bar.unit_scale, bar.unit_divisor = "B", True, 1024
+                bar.set_postfix_str(f"{done}/{total} {unit}", refresh=False)
+                done, total = done_bytes, total_bytes
+            bar.total = total
+            bar.update(done - bar.n)
 
+        try:
             yield update
+        finally:
+            for bar in bars:
+                bar.close()
 
 
 class Bar(Protocol):
@@ -164,14 +176,17 @@ def _scaled(unit: str) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def errors_as_json(on: bool) -> Iterator[None]:
-    """While it is open, `fail` reports as JSON on stdout (``--json``), not on stderr. A context
-    variable rather than an argument, so that every command's `fail` calls follow it."""
+def errors_as_json(on: bool, url: str | None = None) -> Iterator[None]:
+    """While it is open, `fail` reports as JSON on stdout (``--json``), not on stderr, with
+    ``url`` (the command's, when it is an ``s3://`` URL) unless the error names a more precise
+    one. Context variables rather than arguments, so that every command's `fail` calls follow."""
     token = _json_errors.set(on)
+    url_token = _command_url.set(url if url and url.startswith("s3://") else None)
     try:
         yield
     finally:
         _json_errors.reset(token)
+        _command_url.reset(url_token)
 
 
 def reporting_json() -> bool:
@@ -181,8 +196,8 @@ def reporting_json() -> bool:
 
 def fail(error: Exception | str, code: int, *, url: str | None = None) -> int:
     """Report a failure and return ``code``: ``s3ckpt: error: ...`` on stderr, or with --json
-    ``{"error": type, "message": ..., "url": ...}`` on stdout (``url`` defaults to what
-    ``error`` knows: `error_url`)."""
+    ``{"error": type, "message": ..., "url": ...}`` on stdout, always these three keys
+    (``url`` defaults to what ``error`` knows, `error_url`, then to the command's URL)."""
     if not _json_errors.get():
         print(f"s3ckpt: error: {error}", file=sys.stderr)
         return code
@@ -190,6 +205,7 @@ def fail(error: Exception | str, code: int, *, url: str | None = None) -> int:
         kind, url = type(error).__name__, url or error_url(error)
     else:
         kind = _KINDS.get(code, "Error")
+    url = url or _command_url.get()
     print(json.dumps({"error": kind, "message": str(error), "url": url}, indent=2))
     return code
 

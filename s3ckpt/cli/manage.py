@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from ..tools.retention import Retention
 
 _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+_REASONS_SHOWN = 20  # gc's kept objects listed with their reason; --json has all
 
 
 @command(
@@ -110,9 +111,16 @@ def _compression(info: CheckpointInfo, *, short: bool = False) -> str:
 def _latest(session: Session) -> int:
     from ..tools import catalog
 
-    info = catalog.latest(session.args.url, session.config)
-    if info is None:
+    tied = catalog.highest(session.args.url, session.config)
+    if not tied:
         return fail(f"no committed checkpoint at or under {session.args.url}", EXIT_NOT_FOUND)
+    info, others = tied[0], tied[1:]
+    if others:
+        print(
+            f"s3ckpt: note: {len(tied)} checkpoints have the highest step, {info.step}: this is "
+            f"the newest; also {', '.join(o.url for o in others)}",
+            file=sys.stderr,
+        )
     session.emit(as_plain(info), info.url)
     return EXIT_OK
 
@@ -233,7 +241,8 @@ def _at_least_one(text: str) -> int:
         help="keep the N newest checkpoints (--keep is the older spelling)",
     ),
     arg("--keep-every", type=_at_least_one, metavar="K", help="also keep every K-th step"),
-    destructive=_always,
+    arg("--dry-run", action="store_true", help="only list what would be deleted"),
+    destructive=lambda args: not args.dry_run,
 )
 def _prune(session: Session) -> int:
     from ..tools import catalog
@@ -244,8 +253,13 @@ def _prune(session: Session) -> int:
         return fail("prune: say what to keep: --keep-last N, --keep-every K or both", EXIT_USAGE)
     retention = Retention(keep_last=args.keep_last, keep_every=args.keep_every)
 
+    would: list[CheckpointInfo] = []
+
     def ask(victims: list[CheckpointInfo]) -> bool:
         nonlocal declined
+        if args.dry_run:
+            would.extend(victims)
+            return False
         listing = "\n".join(f"  {v.url}  ({human_size(v.total_bytes)})" for v in victims)
         question = f"Delete these {len(victims)} checkpoints, keeping {_kept(retention)}?"
         declined = not session.confirm(f"{question}\n{listing}\n")
@@ -257,6 +271,10 @@ def _prune(session: Session) -> int:
         )
     if declined:
         return fail("not confirmed; nothing was deleted", EXIT_ERROR)
+    if args.dry_run:
+        lines = [f"would delete {v.url}  ({human_size(v.total_bytes)})" for v in would]
+        session.emit([as_plain(v) for v in would], "\n".join(lines) or "nothing to prune")
+        return EXIT_OK
     text = "\n".join(f"deleted {i.url}" for i in deleted) or "nothing to prune"
     session.emit([as_plain(i) for i in deleted], text)
     return EXIT_OK
@@ -328,9 +346,10 @@ def _gc(session: Session) -> int:
         lines += [f"  upload s3://{report.bucket}/{u.key}" for u in report.aborted]
     if report.skipped or report.skipped_uploads:
         young = f"{len(report.skipped)} objects and {len(report.skipped_uploads)} uploads"
-        lines.append(
-            f"kept {young}: younger than {args.older_than}, of a running save (its lease is "
-            "live) or of a checkpoint whose record cannot be read"
-        )
+        lines.append(f"kept {young}, each for the reason given:")
+    shown = report.reasons[:_REASONS_SHOWN]
+    lines += [f"  kept s3://{report.bucket}/{key}: {reason}" for key, reason in shown]
+    if len(report.reasons) > len(shown):
+        lines.append(f"  and {len(report.reasons) - len(shown)} more (--json lists them all)")
     session.emit(as_plain(report), "\n".join(lines))
     return EXIT_OK

@@ -14,6 +14,7 @@ from ..engine.contract import ObjectStore
 from ..engine.store import get_store
 from ..errors import ConfigError
 from ..format.layout import Location
+from . import hush
 
 __all__ = ["AtLocation", "to_torch_future"]
 
@@ -27,6 +28,7 @@ class AtLocation:
     def __init__(
         self, bucket: str, prefix: str, config: S3Config | None, store: ObjectStore | None = None
     ) -> None:
+        hush.install()  # torch's noise around s3ckpt's calls (`hush`)
         self.location = Location.of(bucket, prefix)
         self.config = config or (store.config if store is not None else S3Config())
         self._resolved = None if store is None else (os.getpid(), store)

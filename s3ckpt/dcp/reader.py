@@ -43,6 +43,7 @@ from ..format.sharing import Span
 from . import group
 from .adapter import AtLocation, to_torch_future
 from .exchange import Pieces
+from .fit import check_fit
 from .group import gloo
 from .prefix import read_prefix
 from .reads import run_all
@@ -116,7 +117,7 @@ class S3Reader(AtLocation, StorageReader):
         self._move(checkpoint_id)
         self.checkpoint = None
 
-    def check(self) -> None:
+    def check(self, state_dict: dict[str, Any] | None = None, *, partial: bool = False) -> None:
         """Raise the typed error (`CheckpointNotFound`, `IncompleteCheckpoint`, `MetadataError`,
         `BucketNotFound`, `AccessDenied`, ...) unless a committed, readable checkpoint is at
         `checkpoint_id`: ``dcp.load`` would turn it into an ``AssertionError`` inside a
@@ -124,9 +125,17 @@ class S3Reader(AtLocation, StorageReader):
         this torch cannot represent fails here too); with no record, a listing of the prefix
         and, for a run prefix, up to 128 HEADs below it. ``dcp.load`` reads the record again: a
         checkpoint replaced in between is loaded as it is then.
+
+        Given the ``state_dict`` that ``dcp.load`` will fill (plain tensors and dicts, as DCP's
+        default planner flattens them), it also raises `StateDictMismatch` naming each key the
+        checkpoint lacks (unless ``partial``: then load with
+        ``DefaultLoadPlanner(allow_partial_load=True)``) or holds with another shape (both
+        shapes), where DCP's planner would raise a bare ``ValueError`` or ``RuntimeError``.
         """
         checkpoint = bridge.run(self._read_checkpoint())
-        _ = checkpoint.metadata  # building it is part of the check
+        metadata = checkpoint.metadata  # building it is part of the check
+        if state_dict is not None:
+            check_fit(state_dict, metadata, self.checkpoint_id, partial)
 
     def read_metadata(self) -> Metadata:
         # No **kwargs: DCP would then call this a second time for "rank-local" metadata, which

@@ -70,6 +70,8 @@ class Calls:
         self._turn = itertools.count()
         self._slots: asyncio.Semaphore | None = None
         self._down_until = 0.0  # loop time until which the store counts as down (`_retrying`)
+        self._answered = False  # the store has answered a request (`first_contact_timeout`)
+        self._warned_until = 0.0  # loop time until which retries are not warned about again
         # One for the store, not one per endpoint: its endpoints are addresses of one store,
         # whose limits (per key prefix on AWS S3, per system elsewhere) they share, and every
         # request and retry rotates over all of them.
@@ -181,6 +183,9 @@ class Calls:
         known_down = clock() < self._down_until
         if known_down:
             policy = dataclasses.replace(policy, max_attempts=1)
+        first_contact = self.config.first_contact_timeout
+        if not self._answered and first_contact is not None and first_contact < policy.deadline:
+            policy = dataclasses.replace(policy, deadline=first_contact)
         started, number, repeats = 0.0, 0, 0
         while True:
             number += 1
@@ -204,7 +209,9 @@ class Calls:
                 self._throttle.done(ticket, answer)
             if error is None:
                 self._down_until = 0.0
+                self._answered = True
                 return result
+            self._answered = self._answered or error.status is not None
             self.stats.failed_requests += 1
             if on_failure is not None:
                 on_failure(error)
@@ -219,6 +226,7 @@ class Calls:
                     self._down_until = clock() + policy.deadline
                 raise error from cause
             delay = policy.delay(number, elapsed)
+            self._warn_once(error, number, policy.deadline)
             # INFO, not WARNING: a window holds tens of attempts, and a store that stays down
             # ends in one error that says so; the CLI shows these only with -v.
             log.info(
@@ -230,6 +238,21 @@ class Calls:
             )
             self.stats.retries += 1
             await asyncio.sleep(delay)
+
+    def _warn_once(self, error: StorageError, attempt: int, window: float) -> None:
+        """One WARNING per retry window, at a call's first retry, so that a dead endpoint is
+        not a minute of silence. Not for throttling: that is a store at work, which the
+        throttle answers by sending less."""
+        now = asyncio.get_running_loop().time()
+        if attempt != 1 or is_throttling(error) or now < self._warned_until:
+            return
+        self._warned_until = now + window
+        log.warning(
+            "%s; retrying for up to %g s (said once per %g s; each retry is logged at INFO)",
+            error,
+            window,
+            window,
+        )
 
     def _answer(self, error: StorageError) -> Answer:
         """What a failed attempt tells the store's `Throttle`; counts throttling answers."""

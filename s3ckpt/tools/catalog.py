@@ -36,6 +36,7 @@ __all__ = [
     "describe",
     "export",
     "gc",
+    "highest",
     "latest",
     "list_checkpoints",
     "prune",
@@ -54,6 +55,13 @@ def latest(url: str, config: S3Config | None = None) -> CheckpointInfo | None:
     """The committed checkpoint with the highest step at any depth (then the newest), or None."""
     found = bridge.run(tree.latest(get_store(config), scan.location_of(url)))
     return None if found is None else found.info
+
+
+def highest(url: str, config: S3Config | None = None) -> list[CheckpointInfo]:
+    """Every committed checkpoint with the highest step at any depth, newest first (`latest`
+    is the first): more than one when runs under ``url`` tie."""
+    found = bridge.run(tree.highest(get_store(config), scan.location_of(url)))
+    return [f.info for f in found]
 
 
 def describe(url: str, config: S3Config | None = None) -> tuple[CheckpointInfo, Checkpoint]:

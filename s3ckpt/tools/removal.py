@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from ..config import S3Config
-from ..dcp.prefix import saves
+from ..dcp.prefix import read_prefix, saves
 from ..dcp.references import Record, protected, run_of
 from ..engine import bridge
 from ..engine.contract import ObjectStore, StoredObject, Upload
@@ -75,11 +75,14 @@ class Removal:
 @dataclass(frozen=True)
 class GcReport(Removal):
     """`gc`'s result; ``skipped`` were too young, belong to a running save or to a checkpoint
-    whose record cannot be read, or their checkpoint changed while gc ran."""
+    whose record cannot be read, or their checkpoint changed while gc ran. ``reasons`` pairs
+    each key kept (skipped and kept objects, skipped uploads' keys) with the reason that kept
+    it."""
 
     skipped: tuple[str, ...] = ()
     skipped_uploads: tuple[Upload, ...] = ()
     dry_run: bool = False
+    reasons: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(eq=False)
@@ -96,6 +99,7 @@ class _Target:
     young: list[str] = field(default_factory=list)  # gc: kept, their save is recent
     young_uploads: list[Upload] = field(default_factory=list)
     kept: list[str] = field(default_factory=list)  # referenced by other records of the run
+    why: dict[str, str] = field(default_factory=dict)  # gc: each key kept, and why
     left_alone: tuple[str, ...] = ()  # not s3ckpt's (`Removal.left_alone`)
 
 
@@ -178,29 +182,39 @@ def gc(
     bridge.run(_spare(store, targets, writers=not break_leases))
     young = [key for t in targets for key in t.young]
     young_uploads = [upload for t in targets for upload in t.young_uploads]
+    why = {key: reason for t in targets for key, reason in t.why.items()}
     left_alone = tuple(key for t in targets for key in t.left_alone)
     if left_alone:
         log.info("%s: %s", location.url, _foreign_text(location.bucket, left_alone))
     targets = [t for t in targets if t.objects or t.uploads]
     preview = dataclasses.replace(_preview(location.bucket, targets), left_alone=left_alone)
-    report = _report(preview, young, young_uploads)
+    report = _report(preview, young, young_uploads, why)
     if dry_run or (confirm is not None and not confirm(report)):
         return report
     removing = _remove(store, location, targets, progress, guarded=True, writers=not break_leases)
     removal, dropped = bridge.run(removing)
     removal = dataclasses.replace(removal, left_alone=left_alone)
     young += [obj.key for t in dropped for obj in t.objects]
-    return _report(removal, young, young_uploads + [u for t in dropped for u in t.uploads], False)
+    changed = "its checkpoint's .metadata changed while gc ran"
+    why.update({obj.key: changed for t in dropped for obj in t.objects})
+    why.update({u.key: changed for t in dropped for u in t.uploads})
+    dropped_uploads = [u for t in dropped for u in t.uploads]
+    return _report(removal, young, young_uploads + dropped_uploads, why, False)
 
 
 def _report(
-    removal: Removal, young: list[str], young_uploads: list[Upload], dry_run: bool = True
+    removal: Removal,
+    young: list[str],
+    young_uploads: list[Upload],
+    why: dict[str, str],
+    dry_run: bool = True,
 ) -> GcReport:
     return GcReport(
         **{f.name: getattr(removal, f.name) for f in dataclasses.fields(Removal)},
         skipped=tuple(young),
         skipped_uploads=tuple(young_uploads),
         dry_run=dry_run,
+        reasons=tuple(sorted(why.items())),
     )
 
 
@@ -219,11 +233,28 @@ async def _plan_delete(store: ObjectStore, location: Location) -> _Target:
         running = " but a running save's (its lease is live)" if data or pending else ""
         if foreign:
             running += f"; {_foreign_text(location.bucket, foreign)}"
+        elif not running:
+            await _refuse_a_run(store, location)
         raise CheckpointNotFound(
             f"no checkpoint at {location.url} (no .metadata, data objects or uploads{running})",
             url=location.url,
         )
     return target
+
+
+async def _refuse_a_run(store: ObjectStore, location: Location) -> None:
+    """Nothing at ``location`` itself: if checkpoints are below it, it is a run, and the error
+    says so as ``info`` does (how many, the latest), and what deletes a run's checkpoints."""
+    at = await read_prefix(store, location)
+    if not at.below:
+        return
+    try:
+        at.require()
+    except CheckpointNotFound as e:
+        raise e.reworded(
+            f"{e.message}; rm deletes one checkpoint: `s3ckpt prune {location.url} "
+            "--keep-last N` thins a run out"
+        ) from None
 
 
 def _foreign_text(bucket: str, keys: tuple[str, ...]) -> str:
@@ -311,7 +342,11 @@ async def _gc_one(
         data, _, foreign = await saves(store, location)
         young = [obj.key for obj, _ in data]
         uploaded = [u for u, _ in uploads]
-        return _Target(location, None, young=young, young_uploads=uploaded, left_alone=foreign)
+        unreadable = "its checkpoint's .metadata cannot be read"
+        why = {key: unreadable for key in [*young, *(u.key for u in uploaded)]}
+        return _Target(
+            location, None, young=young, young_uploads=uploaded, left_alone=foreign, why=why
+        )
     keep_id, referenced = None, set()
     if found is not None and found.checkpoint is not None:
         keep_id = found.checkpoint.save_id
@@ -339,6 +374,14 @@ async def _gc_one(
         else:
             target.young += [obj.key for obj in objects]
             target.young_uploads += save_uploads
+            reason = (
+                f"save {save_id} is running: its lease is live (--break-leases if its writer "
+                "is known dead)"
+                if save_id in live
+                else f"save {save_id} wrote within --older-than ({older_than})"
+            )
+            target.why.update({key: reason for key in [obj.key for obj in objects]})
+            target.why.update({upload.key: reason for upload in save_uploads})
     return target
 
 
@@ -394,6 +437,8 @@ async def _spare(store: ObjectStore, targets: list[_Target], *, writers: bool = 
         if kept:
             target.objects = [obj for obj in target.objects if obj.key not in kept]
             target.kept += sorted(kept)
+            held = "a committed checkpoint of the run references it, or a pin holds it"
+            target.why.update(dict.fromkeys(kept, held))
 
 
 async def _unchanged(store: ObjectStore, target: _Target) -> bool:

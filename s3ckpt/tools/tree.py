@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import re
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any
 
 from ..dcp.prefix import State, read_prefix
@@ -21,11 +22,11 @@ from ..format import layout
 from ..format.layout import Location
 from .scan import Found, found, incomplete, newness, readable, run_all
 
-__all__ = ["Listed", "latest", "listed", "survey_all", "tree_order"]
+__all__ = ["Listed", "highest", "latest", "listed", "survey_all", "tree_order"]
 
 log = logging.getLogger(__name__)
 
-_DIGITS = re.compile(r"(\d+)")
+_NUMBER = re.compile(r"(\d+(?:\.\d+)?)")
 
 
 @dataclass
@@ -39,11 +40,13 @@ class Listed:
     uploads: list[tuple[Upload, str]] = field(default_factory=list)
 
 
-def tree_order(prefix: str) -> list[list[Any]]:
-    """Sort key: by path, each component in natural order (``step-2`` before ``step-10``)."""
+def tree_order(prefix: str) -> list[tuple[list[Any], str]]:
+    """Sort key: by path, each component in natural order, its numbers by value (``step-2``
+    before ``step-10``, ``kill0.03`` before ``kill0.1``); equal values (``step-01``, ``step-1``)
+    by their text."""
     # Split on the numbers, text and numbers alternate, so equal positions compare alike.
     return [
-        [int(piece) if i % 2 else piece for i, piece in enumerate(_DIGITS.split(part))]
+        ([Decimal(piece) if i % 2 else piece for i, piece in enumerate(_NUMBER.split(part))], part)
         for part in prefix.split("/")
     ]
 
@@ -137,6 +140,13 @@ async def survey_all(store: ObjectStore, location: Location) -> list[Found]:
 async def latest(store: ObjectStore, location: Location) -> Found | None:
     """The committed checkpoint with the highest step at or below ``location`` (then the
     newest). Records are read from the highest step down, so a long run costs a few GETs."""
+    tied = await highest(store, location)
+    return tied[0] if tied else None
+
+
+async def highest(store: ObjectStore, location: Location) -> list[Found]:
+    """Every committed checkpoint at or below ``location`` with the highest step, newest first:
+    several runs under one URL may tie."""
     by_step: dict[int | None, list[Location]] = {}
     for candidate in await listed(store, location):
         if candidate.record:
@@ -147,5 +157,5 @@ async def latest(store: ObjectStore, location: Location) -> Found | None:
         found = await run_all(lambda c: readable(store, c), by_step[step], store)
         committed = [f for f in found if f is not None]
         if committed:
-            return max(committed, key=lambda f: newness(f.info))
-    return None
+            return sorted(committed, key=lambda f: newness(f.info), reverse=True)
+    return []

@@ -99,24 +99,28 @@ def _down(closed_port: int, *argv: str) -> subprocess.CompletedProcess[str]:
     return _python(*command, env=_user_env())
 
 
-def test_a_store_that_is_down_is_one_error_line_and_retries_only_with_verbose(
+def test_a_store_that_is_down_is_one_warning_one_error_and_retries_only_with_verbose(
     closed_port: int,
 ) -> None:
     quiet = _down(closed_port, "ls", "s3://down-bucket/run")
     assert quiet.returncode == 1 and quiet.stdout == ""
-    (line,) = quiet.stderr.splitlines()
+    warning, line = quiet.stderr.splitlines()  # the window's one warning, then the error
+    assert warning.startswith("s3ckpt: warning: ") and "retrying for up to 1.5 s" in warning
+    assert f"127.0.0.1:{closed_port}" in warning
     assert line.startswith("s3ckpt: error: ") and "down-bucket" in line
     assert f"127.0.0.1:{closed_port}" in line
     verbose = _down(closed_port, "-v", "ls", "s3://down-bucket/run")
     assert verbose.returncode == 1 and verbose.stdout == ""
-    *retries, last = verbose.stderr.splitlines()
+    warning, *retries, last = verbose.stderr.splitlines()
+    assert warning.startswith("s3ckpt: warning: ")
     assert retries and all("retrying in" in r and r.startswith("s3ckpt: info: ") for r in retries)
     assert last.startswith("s3ckpt: error: ") and "down-bucket" in last
 
 
 def test_json_errors_go_to_stdout_with_type_message_and_url(closed_port: int) -> None:
     down = _down(closed_port, "--json", "ls", "s3://down-bucket/run")
-    assert down.returncode == 1 and down.stderr == ""
+    assert down.returncode == 1
+    assert all(line.startswith("s3ckpt: warning: ") for line in down.stderr.splitlines())
     error = json.loads(down.stdout)
     assert error["error"] == "EndpointUnreachable"
     assert error["url"].startswith("s3://down-bucket") and "down-bucket" in error["message"]
@@ -228,3 +232,14 @@ def test_a_bar_counts_bytes_and_shows_objects_and_keeps_two_argument_calls(
     quiet = Session(argparse.Namespace(json=True, command="rm"), S3Config())
     with quiet.progress() as bar:
         assert bar is None
+
+
+def test_a_bar_is_drawn_at_its_first_count_not_before(monkeypatch: pytest.MonkeyPatch) -> None:
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    session = Session(argparse.Namespace(json=False, command="prune", yes=True), S3Config())
+    with session.progress() as bar:
+        assert bar is not None
+        assert terminal.getvalue() == ""  # a prompt written now stands alone on its line
+        bar(1, 2)
+    assert "1/2" in terminal.getvalue()

@@ -11,6 +11,7 @@ failure takes are generous: they catch a hang or a second window, no performance
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import socket
 import time
@@ -22,9 +23,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from botocore.exceptions import ClientError
 
-from s3ckpt import EndpointUnreachable, S3Reader, S3Writer, StorageError, WriteOptions
-from s3ckpt.cli import main
+from s3ckpt import EndpointUnreachable, S3Config, S3Reader, S3Writer, StorageError, WriteOptions
+from s3ckpt.cli import FIRST_CONTACT_S, main
 from s3ckpt.config import MiB
+from s3ckpt.engine import bridge
 from s3ckpt.engine.store import get_store
 from s3ckpt.testing.faultproxy import FaultProxy, Status, Trickle, TrickleHead
 from tests.helpers import listing, raised
@@ -308,3 +310,39 @@ def test_the_cli_takes_a_retry_timeout(
     elapsed = time.monotonic() - began
     assert code == 1 and endpoint in capsys.readouterr().err
     assert 0.8 <= elapsed < 1 + 5 + 5, elapsed
+
+
+def test_a_dead_endpoint_is_said_once_per_window_naming_endpoint_cause_and_window(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Retries stay at INFO, but the first of a window is a WARNING: no minute of silence."""
+    endpoint = dead_endpoint()
+    # A window the first attempt cannot outlast (it builds the client, seconds on a busy host).
+    window = {**SHORT, "retry_timeout": 8.0}
+    config = S3Config(endpoint_url=endpoint, access_key_id="a", secret_access_key="b", **window)
+    store = get_store(config)
+    with caplog.at_level(logging.WARNING, logger="s3ckpt"):
+        for key in ("one", "two"):  # the second call falls in the same window
+            with pytest.raises(EndpointUnreachable):
+                bridge.run(store.head("bucket", key))
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1, warned
+    assert endpoint in warned[0] and "retrying for up to 8 s" in warned[0]
+
+
+def test_the_cli_fails_a_refused_first_contact_within_seconds(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without --retry-timeout the CLI retries a store that never answered for FIRST_CONTACT_S,
+    not the 60 s window a save keeps."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "a")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "b")
+    endpoint = dead_endpoint()
+    began = time.monotonic()
+    code = main(["--endpoint-url", endpoint, "ls", "s3://b/run"])
+    elapsed = time.monotonic() - began
+    err = capsys.readouterr().err
+    assert code == 1 and endpoint in err
+    assert f"retrying for up to {FIRST_CONTACT_S:g} s" in err, err
+    assert elapsed < NO_HANG_S, elapsed  # a hang or the 60 s window, not a performance goal
+    assert S3Config().first_contact_timeout is None  # saves and loads keep the whole window

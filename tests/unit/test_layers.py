@@ -189,6 +189,7 @@ def test_the_public_names_of_s3ckpt() -> None:
         "S3Reader",
         "S3Writer",
         "SafetensorsReader",
+        "StateDictMismatch",
         "StorageError",
         "UnsafeCheckpoint",
         "WriteOptions",

@@ -19,10 +19,12 @@ from types import FrameType, TracebackType
 from typing import Any, Literal
 
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.checkpoint import state_dict_saver
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadPlanner
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+from torch.optim import Optimizer
 
 from ...config import S3Config, WriteOptions
 from ...dcp.writer import S3Writer
@@ -33,6 +35,7 @@ from ..retention import Retention
 from . import restore as restoring
 from .collective import groups, release
 from .run import Run, committed, prune
+from .states import stateful, warn_stateless
 
 __all__ = ["CheckpointManager"]
 
@@ -55,10 +58,11 @@ class CheckpointManager:
     """Checkpoints of one run at ``url/step-<step>`` (the step zero-padded to 9 digits)::
 
         mgr = CheckpointManager("s3://bucket/run7", keep_last=3, keep_every=1000, every=100)
-        start = mgr.restore(state_dict)   # the step loaded, or None: the run has no checkpoint
-        for step in range(start or 0, total):
-            ...
-            mgr.save(step, state_dict)    # in the background; a no-op unless should_save(step)
+        state = {"model": model, "optim": optimizer}  # the objects: their state at each save
+        start = mgr.restore(state)        # the step loaded, or None: the run has no checkpoint
+        for step in range((start or 0) + 1, total + 1):   # the step after the restored one
+            ...                           # train step number ``step``
+            mgr.save(step, state)         # in the background; a no-op unless should_save(step)
         mgr.close()                       # waits for the last save, frees the staging buffers
 
     Saves go through one `S3Writer` (DCP's stager: its CPU buffers are reused); at most one is
@@ -90,8 +94,8 @@ class CheckpointManager:
     ``save`` and ``restore`` with the same steps. Saves and loads run on a gloo group created
     here (or ``process_group``); with ``continuous`` or ``save_on``, every ``save()`` call runs
     one small ``all_reduce`` on a second gloo group, so that all ranks agree on whether to save
-    and on a signal. ``restore`` loads on any world size (resharding), into state dicts from
-    ``get_state_dict``; give what it loaded to ``set_state_dict``.
+    and on a signal. ``restore`` loads on any world size (resharding); modules and optimizers
+    (FSDP2 ones included) get their state through torch's ``set_state_dict`` helpers.
     """
 
     def __init__(
@@ -143,6 +147,8 @@ class CheckpointManager:
         self._known: set[int] = set()  # committed by this manager, or restored
         self._damaged: set[int] = set()  # skipped by restore: a save of the step replaces them
         self._leftovers: dict[int, Location] = {}
+        self._warned: set[str] = set()  # keys warn_stateless has warned about
+        self._restored: int | None = None
         self._closed = False
         self.signal_received: int | None = None
         self._received: int | None = None
@@ -174,26 +180,48 @@ class CheckpointManager:
         step: int | None = None,
         verify: bool = False,
         *,
+        partial: bool = False,
+        required: bool = False,
         planner: LoadPlanner | None = None,
     ) -> int | None:
-        """Load the newest committed step into ``state_dict`` (in place, as ``dcp.load``), or
-        ``step``; returns the step loaded, None if the run holds no checkpoint.
+        """Load the newest committed step into ``state_dict``'s values, or ``step``; returns
+        the step loaded (resume at the step after it), None if the run holds no checkpoint.
+
+        Values are as for `save`: modules, optimizers and ``Stateful`` objects get the loaded
+        state set (an optimizer that never stepped gets its moments); plain state dicts are
+        loaded in place, as ``dcp.load`` does. Only the keys given load: ``{"model": model}``
+        restores the model of a training checkpoint. ``partial=True`` also lets keys that the
+        checkpoint lacks (a new head) keep their values; otherwise they, and any tensor whose
+        shape differs, raise `StateDictMismatch` naming each key (and both shapes) before
+        anything loads.
+
+        A run with no checkpoint logs a WARNING naming the URL and the runs beside it (a typo
+        is the usual cause); ``required=True`` raises `CheckpointNotFound` instead.
 
         A damaged checkpoint (checksum mismatch, missing or short object, unreadable record,
         replaced or deleted while loading) is logged with why, and the next older step is tried;
         with ``step`` given, its error is raised instead. If none loads, CheckpointError names
         each step and why. ``verify=True`` first checks every byte of a checkpoint against its
         checksums (on the coordinator), before anything is loaded. Other failures (an
-        unreachable store, refused credentials, a state dict that does not fit) are raised.
+        unreachable store, refused credentials) are raised as s3ckpt's errors.
         """
         self._check_open()
         self.wait()  # loads share the group with saves: none may be in flight
-        restored = restoring.restore(self._run, state_dict, step, verify, planner)
+        if planner is not None and partial:
+            raise ConfigError("restore: give partial=True or a planner, not both")
+        request = restoring.Request(stateful(state_dict), verify, partial, planner)
+        restored = restoring.restore(self._run, request, step)
+        for key, value in request.state_dict.items():  # plain values DCP replaced
+            if not isinstance(state_dict[key], (nn.Module, Optimizer)):
+                state_dict[key] = value
         with self._lock:
             self._damaged.update(restored.skipped)
             if restored.step is not None:
+                self._restored = restored.step
                 self._known.add(restored.step)
                 self._damaged.discard(restored.step)
+        if restored.step is None:
+            restoring.nothing(self._run, required)
         return restored.step
 
     # ------------------------------------------------------------------------- saving
@@ -211,6 +239,13 @@ class CheckpointManager:
         """Save ``state_dict`` as ``step`` if `should_save` (or ``force``); returns whether a
         save started. ``sync`` (default: the manager's) waits until it has committed; else it
         uploads in the background once the state is staged, and training may change it.
+
+        Its values may be the training objects themselves: an ``nn.Module``, a
+        ``torch.optim.Optimizer`` (with the module it trains in the same dict) or any
+        ``Stateful``; their state is taken now, with torch's ``get_model_state_dict`` and
+        ``get_optimizer_state_dict`` (FSDP2/DTensor state included). Plain state dicts work too,
+        but ``opt.state_dict()`` taken before the first step holds no moments: a save of one
+        after step 0 logs a WARNING naming its key.
 
         A step this manager already committed or restored is not saved again. The previous
         save's failure is raised here (or logged, ``raise_on_failure=False``).
@@ -283,13 +318,22 @@ class CheckpointManager:
         self._surface(block=True)  # one save at a time
         url = self._run.at(step).url
         if self._is_known(step):
-            log.info("%s is already committed: not saved again", url)
+            if step == self._restored:
+                log.warning(
+                    "%s is the step restore() loaded: not saved again, but the loop ran it "
+                    "again; resume at the step after it (range(start + 1, ...))",
+                    url,
+                )
+            else:
+                log.info("%s is already committed: not saved again", url)
             return False
+        warn_stateless(url, step, state_dict, self._warned)
+        state = stateful(state_dict)
         self._writer.overwrite = step in self._damaged
         try:
             if sync:
                 state_dict_saver.save(
-                    state_dict,
+                    state,
                     checkpoint_id=url,
                     storage_writer=self._writer,
                     process_group=self._run.group,
@@ -297,7 +341,7 @@ class CheckpointManager:
                 self._committed(step)
                 return True
             started = state_dict_saver.async_save(
-                state_dict,
+                state,
                 checkpoint_id=url,
                 storage_writer=self._writer,
                 process_group=self._run.group,

@@ -27,11 +27,14 @@ from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import load
+from torch.distributed.checkpoint.stateful import Stateful
 
 from ...config import S3Config
+from ...dcp.fit import check_fit
 from ...dcp.group import Ranks, read_once
 from ...dcp.incremental import Pins
 from ...dcp.prefix import read_prefix
@@ -53,7 +56,7 @@ from ...format.record import Checkpoint
 from ..verify import verify as verify_checkpoint
 from .run import Run, children, committed
 
-__all__ = ["Restored", "damage", "restore", "s3ckpt_error"]
+__all__ = ["Request", "Restored", "damage", "nothing", "restore", "s3ckpt_error"]
 
 log = logging.getLogger(__name__)
 
@@ -154,14 +157,20 @@ class Restored:
     skipped: dict[int, str] = field(default_factory=dict)
 
 
-def restore(
-    run: Run,
-    state_dict: dict[str, Any],
-    step: int | None,
-    verify: bool,
-    planner: LoadPlanner | None,
-) -> Restored:
-    """Load ``step`` (None: the newest committed step that loads) into ``state_dict``."""
+@dataclass(frozen=True)
+class Request:
+    """What a restore loads into, and how: ``verify`` every byte first; ``partial``: keys the
+    checkpoint lacks keep their values; ``planner`` replaces DCP's default one (and the check
+    that the state fits, which assumes the default's keys)."""
+
+    state_dict: dict[str, Any]
+    verify: bool = False
+    partial: bool = False
+    planner: LoadPlanner | None = None
+
+
+def restore(run: Run, request: Request, step: int | None) -> Restored:
+    """Load ``step`` (None: the newest committed step that loads) into the request's state."""
     agreement, restored = run.agreement, Restored(None)
     names = bridge.run(children(run.store, run.location))
     while True:
@@ -170,7 +179,7 @@ def restore(
         if candidate < 0:
             break
         location = names.get(candidate, run.at(candidate))
-        reason = _attempt(run, location, state_dict, verify, planner)
+        reason = _attempt(run, location, request)
         if reason is None:
             restored.step = candidate
             skipped = list(restored.skipped)
@@ -216,13 +225,7 @@ def _read(run: Run, location: Location) -> Checkpoint:
     return read_once(run.store, location, ranks, below=False)
 
 
-def _attempt(
-    run: Run,
-    location: Location,
-    state_dict: dict[str, Any],
-    verify: bool,
-    planner: LoadPlanner | None,
-) -> S3CkptError | str | None:
+def _attempt(run: Run, location: Location, request: Request) -> S3CkptError | str | None:
     """Load the checkpoint at ``location`` on every rank: None if it loaded, else why not.
     Raises what is not damage."""
     agreement, store = run.agreement, run.store
@@ -236,7 +239,7 @@ def _attempt(
     # Every save directory the record uses: an incremental checkpoint's bytes are in several.
     pins = Pins(store, location, checkpoint) if checkpoint else None
     with held(pins) if pins and agreement.coordinator else contextlib.nullcontext(False):
-        if error is None and verify and agreement.coordinator:
+        if error is None and request.verify and agreement.coordinator:
             try:
                 verify_checkpoint(location.url, run.config)
             except S3CkptError as e:
@@ -252,9 +255,19 @@ def _attempt(
                 error or f"another rank could not read or verify it (rank {agreement.rank} could)"
             )
         assert checkpoint is not None
+        # DCP's own handling of Stateful values, done here so that the state they give is
+        # checked against the checkpoint before DCP plans (and is asked for once).
+        state = {
+            key: value.state_dict() if isinstance(value, Stateful) else value
+            for key, value in request.state_dict.items()
+        }
+        planner = request.planner
+        if planner is None:
+            check_fit(state, checkpoint.metadata, location.url, request.partial)
+            planner = DefaultLoadPlanner(allow_partial_load=request.partial)
         try:
             load(
-                state_dict,
+                state,
                 storage_reader=_Pinned(location, run.config, checkpoint),
                 planner=planner,
                 process_group=run.group,
@@ -267,4 +280,39 @@ def _attempt(
                     raise typed from e
                 raise
             return found
+    for key, value in request.state_dict.items():
+        if isinstance(value, Stateful):
+            value.load_state_dict(state[key])
+        else:
+            request.state_dict[key] = state[key]
     return None
+
+
+_SIBLINGS_SHOWN = 10
+
+
+def nothing(run: Run, required: bool) -> None:
+    """Say that the run holds no checkpoint: a WARNING on the coordinator naming its URL and the
+    other runs beside it (a typo in the run's name is the usual cause), or, ``required``,
+    `CheckpointNotFound` on every rank."""
+    url = run.location.url
+    beside = _siblings(run) if required or run.agreement.coordinator else []
+    shown = ", ".join(beside[:_SIBLINGS_SHOWN])
+    more = f" and {len(beside) - _SIBLINGS_SHOWN} more" if len(beside) > _SIBLINGS_SHOWN else ""
+    also = f" (other runs beside it: {shown}{more})" if beside else ""
+    if required:
+        raise CheckpointNotFound(f"{url} holds no checkpoint to restore{also}", url=url)
+    log.warning("%s holds no checkpoint: starting from scratch%s", url, also)
+
+
+def _siblings(run: Run) -> list[str]:
+    """The names of the other prefixes in the run's parent."""
+    if not run.location.prefix:
+        return []
+    parent = run.location.parent
+    listing = bridge.run(
+        run.store.list_objects(parent.bucket, parent.listing_prefix, delimiter=True, limit=1000)
+    )
+    start = len(parent.listing_prefix)
+    names = (prefix[start:].rstrip("/") for prefix in sorted(listing.prefixes))
+    return [name for name in names if name and name != run.location.name]
