@@ -13,7 +13,7 @@ from tests.conftest import Cli, S3Env
 from tests.helpers import listing
 from tests.integration.test_catalog import save
 
-pytestmark = pytest.mark.parametrize("s3", ["moto"], indirect=True)
+pytestmark = pytest.mark.stores("memory")  # not a wire test: see test_store_contract
 
 
 def small() -> dict[str, torch.Tensor]:

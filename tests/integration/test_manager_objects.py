@@ -17,7 +17,7 @@ from torch import nn
 from s3ckpt import CheckpointManager, CheckpointNotFound, ConfigError, StateDictMismatch
 from tests import manager_workers
 
-pytestmark = pytest.mark.parametrize("s3", ["moto"], indirect=True)
+pytestmark = pytest.mark.stores("memory")  # not a wire test: see test_store_contract
 
 RUN = "run"
 
@@ -185,6 +185,7 @@ def free_port() -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.stores("moto")  # other processes: a real server
 def test_fsdp2_objects_saved_on_two_ranks_restore_on_one_with_their_moments(
     s3: Any, bucket: str
 ) -> None:

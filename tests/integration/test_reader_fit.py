@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 
 from s3ckpt import S3Reader, S3Writer, StateDictMismatch
 
-pytestmark = pytest.mark.parametrize("s3", ["moto"], indirect=True)
+pytestmark = pytest.mark.stores("memory")  # not a wire test: see test_store_contract
 
 
 def saved(s3: Any, bucket: str) -> S3Reader:
