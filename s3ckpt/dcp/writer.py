@@ -224,6 +224,7 @@ class S3Writer(AtLocation, StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         rank_plan: _RankPlan = plan.storage_data
+        _claim(rank_plan, self.checkpoint_id)
         members: _Members = []
         for item in plan.items:
             data = planner.resolve_data(item)
@@ -447,6 +448,25 @@ class S3Writer(AtLocation, StorageWriter):
                 stored, codec, crc = await window.popleft()
                 entries.append((len(stored), crc, codec))
                 yield stored
+
+
+_claimed: set[tuple[str, int]] = set()  # (save id, rank) of every write_data in this process
+_claimed_lock = threading.Lock()
+
+
+def _claim(rank_plan: _RankPlan, url: str) -> None:
+    """Refuse a plan whose save this rank has already written: one a planner cached from an
+    earlier save (DCP's ``enable_plan_caching`` without `CachingSavePlanner`), which would
+    write into that save's directory, perhaps a committed checkpoint's."""
+    with _claimed_lock:
+        if (rank_plan.save_id, rank_plan.rank) in _claimed:
+            raise ConfigError(
+                f"{url}: not saved: rank {rank_plan.rank}'s save plan is that of the earlier "
+                f"save {rank_plan.save_id} (DCP's plan caching reuses the storage data of the "
+                "save that cached it); use s3ckpt.dcp.planning.CachingSavePlanner, or a planner "
+                "without enable_plan_caching"
+            )
+        _claimed.add((rank_plan.save_id, rank_plan.rank))
 
 
 @dataclass
