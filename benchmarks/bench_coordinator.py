@@ -11,6 +11,7 @@ with the same structure), and reports process CPU seconds and peak RSS growth:
   empty plans (what the `CheckpointManager` does);
 - s3ckpt's gather: unpickling every rank's `RankResults` (DCP gathers them for ``finish``);
 - ``finish`` without its encode, and the record's encode (``s3ckpt.format.record.encode``);
+- the record's size and decode (to DCP's ``Metadata``) per chunk: what every rank pays on load;
 - the commit (``commit_*`` in the JSON): against a real server behind `FaultProxy` adding a
   delay to every request, the whole commit of ``--commit-ranks`` x 4 objects: the pre-commit
   listing, the PUT, the listing after it and the lease; requests counted by operation.
@@ -47,6 +48,7 @@ from s3ckpt.engine import bridge
 from s3ckpt.engine.store import get_store
 from s3ckpt.format import layout
 from s3ckpt.format.layout import Location
+from s3ckpt.format.record import decode
 from tests.faultproxy import Delay, FaultProxy
 
 from .common import RESULTS, MiB, RssSampler, format_table, machine_info, median, s3_endpoint
@@ -101,11 +103,13 @@ def finish_cost(ranks: int, chunks: int) -> dict[str, Any]:
     writer = _offline_writer()
     writer._save_id = save.save_id
     encodes: list[tuple[float, int]] = []
+    records: list[bytes] = []
     encode = writer_module.encode
 
     def timed(*args: Any, **kwargs: Any) -> bytes:
         record, cpu = _cpu(lambda: encode(*args, **kwargs))
         encodes.append((cpu, len(record)))
+        records.append(record)
         return record
 
     async def no_commit(*args: Any, **kwargs: Any) -> None:
@@ -119,6 +123,8 @@ def finish_cost(ranks: int, chunks: int) -> dict[str, Any]:
         results, gather_cpu = _cpu(lambda: [pickle.loads(blob) for blob in blobs])
         _, finish_cpu = _cpu(lambda: writer.finish(save.metadata, results))
     encode_cpu, record_bytes = encodes[0]
+    # Every rank's cost before its first tensor read (the record's, labelled as such).
+    _, decode_cpu = _cpu(lambda: decode(records[0], url="s3://bench/ck/.metadata").metadata)
     return {
         "chunks": save.chunks,
         "objects": len(save.objects),
@@ -127,6 +133,7 @@ def finish_cost(ranks: int, chunks: int) -> dict[str, Any]:
         "finish_cpu_s": finish_cpu - encode_cpu,
         "encode_cpu_s": encode_cpu,
         "record_bytes": record_bytes,
+        "decode_cpu_s": decode_cpu,
         "rss_increase": rss.peak - rss.baseline,
     }
 
@@ -197,7 +204,7 @@ def _us(seconds: float, chunks: int) -> float:
 
 def table(points: list[dict[str, Any]]) -> str:
     headers = ["ranks", "chunks", "plan 1st", "plan rep", "gather", "finish", "encode"]
-    headers += ["s3ckpt", "s3ckpt rep", "rec B/chunk", "RSS +MiB"]
+    headers += ["s3ckpt", "s3ckpt rep", "RSS +MiB", "rec B/chunk", "rec decode"]
     rows = []
     for p in points:
         first, repeated = p["first"], p["repeated"]
@@ -214,8 +221,9 @@ def table(points: list[dict[str, Any]]) -> str:
                 _us(first["encode_cpu_s"], chunks),
                 _us(own[0], chunks),
                 _us(own[1], chunks),
-                first["record_bytes"] / chunks,
                 first["rss_increase"] / MiB,
+                first["record_bytes"] / chunks,
+                _us(first["decode_cpu_s"], chunks),
             ]
         )
     return format_table(headers, rows)
@@ -253,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
             points.append(fresh.submit(point, ranks, chunks).result())
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     report: dict[str, Any] = {"machine": machine_info(), "settings": settings, "points": points}
-    print("\nCoordinator CPU, us per chunk (first save unless 'rep'); RSS: peak growth of finish")
+    print("\nCoordinator CPU, us per chunk (first save unless 'rep'); RSS: peak growth of finish;")
+    print("rec: the record's size and decode+DCP Metadata per chunk (every rank's, on load)")
     print(table(points))
     if not args.no_commit:
         with s3_endpoint(args.endpoint_url, args.access_key, args.secret_key, args.region) as ep:
@@ -271,8 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     args.json.write_text(json.dumps(report, indent=2, default=str))
     print(
         "\nplan: DCP's gather of local plans + global plan + S3Writer.prepare_global_plan + "
-        "the scatter's pickling; gather: unpickling the ranks' results; s3ckpt: gather + finish "
-        f"+ encode (goal <= {GOAL_US_PER_CHUNK:.0f} us per chunk)."
+        "the scatter's pickling; gather: unpickling the ranks' results; finish: without its "
+        "encode; s3ckpt: gather + finish + encode "
+        f"(goal <= {GOAL_US_PER_CHUNK:.0f} us per chunk)."
     )
     print(f"JSON: {args.json}")
     return 0

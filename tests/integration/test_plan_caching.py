@@ -80,8 +80,11 @@ def test_a_state_whose_structure_changed_is_planned_afresh(
     assert_equal(load(s3, bucket, "ck", changed), changed)
 
 
-def test_repeated_manager_saves_load_when_the_state_changes(s3: Any, bucket: str) -> None:
-    with CheckpointManager(f"s3://{bucket}/run", config=s3.config(), sync=True) as mgr:
+@pytest.mark.parametrize("sync", [True, False], ids=["sync", "async"])
+def test_repeated_manager_saves_load_when_the_state_changes(
+    s3: Any, bucket: str, sync: bool
+) -> None:
+    with CheckpointManager(f"s3://{bucket}/run", config=s3.config(), sync=sync) as mgr:
         states = []
         for step in range(4):
             state: dict[str, Any] = {"w": torch.full((500,), float(step)), "step": step}
