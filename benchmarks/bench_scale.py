@@ -77,8 +77,9 @@ from .common import (
     machine_info,
     s3_endpoint,
 )
+from .scale_layouts import LAYOUTS, LayoutPoint, layout_table, run_layout_point
 
-AXES = ("tensors", "world", "size")
+AXES = ("tensors", "world", "size", "layouts")
 SMALL_BYTES = (256, 512, 1024, 2048, 4096)  # cycled: 1,587 B a tensor on average
 LARGE_TENSOR = 16 * MiB
 _COLS = 16  # small tensors are (n, 16) fp32 matrices so they can be sharded along dim 0
@@ -718,6 +719,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dist-mode", choices=("dtensor", "distinct"), default="dtensor")
     p.add_argument("--sizes-mib", nargs="+", type=int, default=[64, 256])
     p.add_argument("--big", action="store_true", help="add the 1 GiB point to the size axis")
+    p.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
+    p.add_argument("--layout-worlds", nargs="+", type=int, default=[8, 16])
+    p.add_argument("--layout-tensors", type=int, default=256, help="64 x 64 fp32 tensors")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="CI-size smoke: 1k tensors, and the layouts on 4 ranks with 32 tensors",
+    )
     p.add_argument("--objects-per-rank", type=int, default=4)
     p.add_argument("--spread-keys", action="store_true", help="WriteOptions(spread_keys=True)")
     p.add_argument("--part-size-mib", type=int, default=defaults.part_size // MiB)
@@ -738,6 +747,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true", help="cProfile rank 0 of every point")
     p.add_argument("--profile-dir", type=Path, default=RESULTS / "scale-profiles")
     args = p.parse_args(argv)
+    if args.quick:
+        args.axes, args.tensors, args.layout_worlds = ["tensors", "layouts"], [1000], [4]
+        args.layout_tensors = 32
     if min(args.tensors + args.worlds + [args.world_tensors] + args.sizes_mib) < 1:
         p.error("counts and sizes must be positive")
     return args
@@ -764,24 +776,23 @@ def main(argv: list[str] | None = None) -> int:
             args.profile_dir.mkdir(parents=True, exist_ok=True)
         root = f"scale-{secrets.token_hex(4)}"
         print(f"s3ckpt scale benchmark against {ep.server} at {ep.url}", flush=True)
+        if "layouts" in args.axes:
+            for layout_point in layout_points(args, config, root):
+                print(f"  layouts={layout_point.label}: ", end="", flush=True)
+                result = run_layout_point(layout_point, args.timeout_s or 600.0)
+                _cleanup(config, args.bucket, layout_point.prefix)
+                run.add(result)
+                _progress(result, f"load {result.get('load_s', 0.0):.2f} s")
         for point in plan_points(args, config, root):
             timeout = args.timeout_s or default_timeout(point)
             print(f"  {point.axis}={point.label}: ", end="", flush=True)
             result = run_point(point, timeout)
-            try:
-                delete_prefix(config, args.bucket, point.prefix)
-            except Exception as e:  # a leftover prefix costs disk, not correctness
-                print(f"    (could not delete {point.prefix}: {e})", flush=True)
+            _cleanup(config, args.bucket, point.prefix)
             run.add(result)
-            if result["errors"]:
-                print(f"FAILED after {result['elapsed_s']:.0f} s", flush=True)
-                print("    " + result["errors"][0][-1500:].replace("\n", "\n    "), flush=True)
-            else:
-                print(
-                    f"save {result['save_s']:.2f} s, load {result['load_s']:.2f} s"
-                    f" ({result['elapsed_s']:.0f} s in all)",
-                    flush=True,
-                )
+            _progress(
+                result,
+                f"save {result.get('save_s', 0.0):.2f} s, load {result.get('load_s', 0.0):.2f} s",
+            )
     report: dict[str, Any] = {
         "machine": machine,
         "server": {"name": ep.server, "endpoint": ep.url, "local": ep.server_pid is not None},
@@ -792,6 +803,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     failed = False
     for axis, results in run.by_axis.items():
+        if axis == "layouts":
+            report["axes"][axis] = {"results": results}
+            print("\naxis: layouts (per restore: what the store served; per save: rank 0)")
+            print(layout_table(results))
+            failed |= any(r["errors"] or r.get("mismatches") for r in results)
+            continue
         lin = linearity(results)
         report["axes"][axis] = {"results": results, "linearity": lin}
         print(f"\naxis: {axis}" + (f" ({args.dist_mode})" if axis == "world" else ""))
@@ -815,6 +832,31 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"JSON: {args.json}")
     return 1 if failed else 0
+
+
+def layout_points(args: argparse.Namespace, config: S3Config, root: str) -> list[LayoutPoint]:
+    return [
+        LayoutPoint(
+            layout, world, args.layout_tensors, config, args.bucket, f"{root}/{layout}-w{world}"
+        )
+        for world in args.layout_worlds
+        for layout in args.layouts
+    ]
+
+
+def _cleanup(config: S3Config, bucket: str, prefix: str) -> None:
+    try:
+        delete_prefix(config, bucket, prefix)
+    except Exception as e:  # a leftover prefix costs disk, not correctness
+        print(f"    (could not delete {prefix}: {e})", flush=True)
+
+
+def _progress(result: dict[str, Any], done: str) -> None:
+    if result["errors"]:
+        print(f"FAILED after {result['elapsed_s']:.0f} s", flush=True)
+        print("    " + result["errors"][0][-1500:].replace("\n", "\n    "), flush=True)
+    else:
+        print(f"{done} ({result['elapsed_s']:.0f} s in all)", flush=True)
 
 
 def _git_commit() -> str | None:

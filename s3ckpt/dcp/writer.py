@@ -47,7 +47,7 @@ from collections.abc import AsyncIterator, Iterable
 from concurrent.futures import Future as ConcurrentFuture
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
@@ -65,10 +65,12 @@ from ..format.digests import digest
 from ..format.frames import FrameTable
 from ..format.packing import Packed, assign_objects, element_size
 from ..format.record import Locator, encode
+from ..format.record.model import gc_paused
 from ..format.tensorbytes import as_flat_bytes
 from .adapter import AtLocation, to_torch_future
 from .commit import Lease, commit, delete_quietly
 from .incremental import Base, Candidate, find_base
+from .results import RankResults
 from .staging import StagingBuffers
 
 __all__ = ["S3Writer"]
@@ -228,6 +230,7 @@ class S3Writer(AtLocation, StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         rank_plan: _RankPlan = plan.storage_data
+        _claim(rank_plan, self.checkpoint_id)
         members: _Members = []
         for item in plan.items:
             data = planner.resolve_data(item)
@@ -244,7 +247,7 @@ class S3Writer(AtLocation, StorageWriter):
         else:
             source = _each(place.packed(obj, found, {}) for obj, found in sorted(objects.items()))
         upload = self._upload(source, place.results, rank_plan.save_id)
-        return to_torch_future(bridge.submit(upload))
+        return cast(Future[list[WriteResult]], to_torch_future(bridge.submit(upload)))
 
     async def _changed(
         self, objects: dict[int, _Members], place: _Placing
@@ -259,16 +262,17 @@ class S3Writer(AtLocation, StorageWriter):
             for item, value in members:
                 candidate = candidates.get(item.index)
                 if candidate is not None and digests.get(item.index) == candidate[0]:
-                    stored = _Stored(candidate[1], digest=candidate[0])
-                    place.results.append(WriteResult(item.index, candidate[1].length, stored))
+                    place.results.add(item.index, candidate[1], candidate[0])
                 else:
                     changed.append((item, value))
             if changed:
                 yield place.packed(obj, changed, digests)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        # Each rank's results are the `RankResults` its `write_data` returned.
+        ranks = cast(list[RankResults], results)
         try:
-            self._finish(metadata, results)
+            self._finish(metadata, ranks)
         finally:
             # Left to expire, not deleted: the record may have landed even when the commit
             # raised (see `incremental`).
@@ -276,21 +280,20 @@ class S3Writer(AtLocation, StorageWriter):
             if base is not None:
                 bridge.run(base.pins.leave())
 
-    def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+    def _finish(self, metadata: Metadata, results: list[RankResults]) -> None:
         locators: dict[MetadataIndex, Locator] = {}
         frames: dict[str, FrameTable] = {}
         digests: dict[MetadataIndex, str] = {}
         referenced: set[str] = set()
-        for rank_results in results:
-            for result in rank_results:
-                stored: _Stored = result.storage_data
-                locators[result.index] = stored.locator
-                if stored.digest is not None:
-                    digests[result.index] = stored.digest
-                if stored.frames is not None:
-                    frames[stored.locator.key] = stored.frames
-                if layout.is_reference(stored.locator.key):
-                    referenced.add(stored.locator.key)
+        with gc_paused():  # millions of acyclic objects: rescanning them would double the time
+            for rank_results in results:
+                frames.update(rank_results.frames)
+                referenced.update(key for key in rank_results.keys if layout.is_reference(key))
+                for fqn, offset, key, start, length, hashed in rank_results.located():
+                    index = MetadataIndex(fqn, offset)
+                    locators[index] = Locator(key, start, length)
+                    if hashed is not None:
+                        digests[index] = hashed
         if self._save_id is None:
             raise S3CkptError(f"finish() for {self.checkpoint_id} without a planned save")
         pinned = {} if self._base is None else self._base.frames
@@ -315,9 +318,9 @@ class S3Writer(AtLocation, StorageWriter):
             extra=self._recorded(len(results)),
             digests=digests,
         )
-        key = self.location.key
-        objects = {key(relative): table.size for relative, table in frames.items()}
-        references = {key(relative): pinned[relative].size for relative in referenced}
+        absolute = self.location.key
+        objects = {absolute(relative): table.size for relative, table in frames.items()}
+        references = {absolute(relative): pinned[relative].size for relative in referenced}
         committing = commit(
             self._store,
             self.location,
@@ -370,9 +373,9 @@ class S3Writer(AtLocation, StorageWriter):
     async def _upload(
         self,
         uploads: AsyncIterator[tuple[str, Packed]],
-        results: list[WriteResult],
+        results: RankResults,
         save_id: str,
-    ) -> list[WriteResult]:
+    ) -> RankResults:
         """Upload the objects under the save's lease as ``uploads`` yields them (``results`` is
         complete once it is exhausted), checksumming their frames; the results carry the frame
         tables."""
@@ -385,8 +388,8 @@ class S3Writer(AtLocation, StorageWriter):
             raise
 
     async def _upload_all(
-        self, uploads: AsyncIterator[tuple[str, Packed]], results: list[WriteResult]
-    ) -> list[WriteResult]:
+        self, uploads: AsyncIterator[tuple[str, Packed]], results: RankResults
+    ) -> RankResults:
         store, bucket, loop = self._store, self.location.bucket, asyncio.get_running_loop()
         tables: dict[str, FrameTable] = {}
 
@@ -420,10 +423,7 @@ class S3Writer(AtLocation, StorageWriter):
             # Every key, not only finished ones: a cancelled PUT or Complete may still land.
             await delete_quietly(store, bucket, keys, f"{self.checkpoint_id}: a failed save")
             raise
-        # The coordinator learns each object's frame table from its first item's result.
-        for result in results:
-            stored: _Stored = result.storage_data
-            stored.frames = tables.pop(stored.locator.key, None)
+        results.frames = tables
         return results
 
     async def _encoded(
@@ -453,14 +453,23 @@ class S3Writer(AtLocation, StorageWriter):
                 yield stored
 
 
-@dataclass
-class _Stored:
-    """A WriteResult's storage data: where the item is, (once per object) its frames, and (in
-    incremental saves) its digest."""
+_claimed: set[tuple[str, int]] = set()  # (save id, rank) of every write_data in this process
+_claimed_lock = threading.Lock()
 
-    locator: Locator
-    frames: FrameTable | None = None
-    digest: str | None = None
+
+def _claim(rank_plan: _RankPlan, url: str) -> None:
+    """Refuse a plan whose save this rank has already written: one a planner cached from an
+    earlier save (DCP's ``enable_plan_caching`` without `CachingSavePlanner`), which would
+    write into that save's directory, perhaps a committed checkpoint's."""
+    with _claimed_lock:
+        if (rank_plan.save_id, rank_plan.rank) in _claimed:
+            raise ConfigError(
+                f"{url}: not saved: rank {rank_plan.rank}'s save plan is that of the earlier "
+                f"save {rank_plan.save_id} (DCP's plan caching reuses the storage data of the "
+                "save that cached it); use s3ckpt.dcp.planning.CachingSavePlanner, or a planner "
+                "without enable_plan_caching"
+            )
+        _claimed.add((rank_plan.save_id, rank_plan.rank))
 
 
 _Members = list[tuple[WriteItem, torch.Tensor | bytes]]
@@ -473,7 +482,7 @@ class _Placing:
     rank_plan: _RankPlan
     nonce: str
     frame_size: int
-    results: list[WriteResult] = dataclasses.field(default_factory=list)
+    results: RankResults = dataclasses.field(default_factory=RankResults)
 
     def packed(
         self, obj: int, members: _Members, digests: dict[MetadataIndex, str]
@@ -487,8 +496,7 @@ class _Placing:
         ]
         packed = Packed([value for _, value in members], elements, self.frame_size)
         for (item, _), start, length in zip(members, packed.starts, packed.lengths, strict=True):
-            stored = _Stored(Locator(relative, start, length), digest=digests.get(item.index))
-            self.results.append(WriteResult(item.index, length, stored))
+            self.results.add(item.index, Locator(relative, start, length), digests.get(item.index))
         return relative, packed
 
 

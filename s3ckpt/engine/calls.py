@@ -291,11 +291,20 @@ class Calls:
         await self._call("delete_bucket", bucket, None)
 
     async def list_objects(
-        self, bucket: str, prefix: str, *, delimiter: bool = False, limit: int | None = None
+        self,
+        bucket: str,
+        prefix: str,
+        *,
+        delimiter: bool = False,
+        limit: int | None = None,
+        start_after: str | None = None,
+        end: str | None = None,
     ) -> Listing:
         objects: list[StoredObject] = []
         prefixes: list[str] = []
         params: dict[str, Any] = {"Delimiter": "/"} if delimiter else {}
+        if start_after is not None:
+            params["StartAfter"] = start_after
         now: datetime | None = None
         while True:
             size = 1000 if limit is None else min(1000, limit - len(objects))
@@ -308,7 +317,11 @@ class Calls:
                 for o in reply.get("Contents", [])
             ]
             prefixes += [p["Prefix"] for p in reply.get("CommonPrefixes", [])]
-            if not reply.get("IsTruncated") or (limit is not None and len(objects) >= limit):
+            if (
+                not reply.get("IsTruncated")
+                or (limit is not None and len(objects) >= limit)
+                or (end is not None and objects and objects[-1].key >= end)
+            ):
                 return Listing(objects, prefixes, now)
             params["ContinuationToken"] = reply["NextContinuationToken"]
 

@@ -248,10 +248,19 @@ class ObjectStore(Protocol):
         ...
 
     async def list_objects(
-        self, bucket: str, prefix: str, *, delimiter: bool = False, limit: int | None = None
+        self,
+        bucket: str,
+        prefix: str,
+        *,
+        delimiter: bool = False,
+        limit: int | None = None,
+        start_after: str | None = None,
+        end: str | None = None,
     ) -> Listing:
         """Objects under ``prefix`` (all pages, at most ``limit``); with ``delimiter`` the
-        child prefixes too, one level down."""
+        child prefixes too, one level down. ``start_after``: only keys after it; ``end``: no
+        further page once a key at or past it is listed (so that several listings of one prefix
+        can cover its ranges concurrently)."""
         ...
 
     async def list_uploads(self, bucket: str, prefix: str) -> list[Upload]:

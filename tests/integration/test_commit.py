@@ -13,6 +13,10 @@ from torch.distributed.checkpoint.planner import WriteItem
 
 from s3ckpt import CheckpointExists, S3Reader, S3Writer, WriteOptions
 from s3ckpt.config import MiB
+from s3ckpt.dcp import commit as commit_module
+from s3ckpt.dcp import planning
+from s3ckpt.engine import bridge
+from s3ckpt.engine.store import get_store
 from s3ckpt.tools.catalog import gc
 from tests.helpers import listing, raised, uploads_in_progress
 
@@ -110,14 +114,35 @@ def test_of_two_racing_saves_exactly_one_commits(s3: Any, bucket: str) -> None:
 
 
 def test_dcp_plan_caching_never_touches_a_committed_checkpoint(s3: Any, bucket: str) -> None:
-    """Cached plans carry an earlier save's id: a later save that fails must still not delete
-    (or rewrite) the objects the committed checkpoint references."""
+    """Torch's cached plans carry an earlier save's id: the writer refuses them before any upload,
+    so the committed checkpoint's objects are neither rewritten nor deleted."""
     planner = DefaultSavePlanner(enable_plan_caching=True)
+    for cache in planning._CACHES:  # torch's cache is per class: drop earlier tests' plans
+        cache.pop(type(planner).__name__, None)
     writer = S3Writer(bucket, "ck", config=s3.config(), overwrite=True)
     first = {"w": torch.full((1000,), 1.0)}
     dcp.save(first, storage_writer=writer, planner=planner)
+    before = listing(s3.client, bucket)
     second = {"w": torch.full((1000,), 2.0)}
-    dcp.save(second, storage_writer=writer, planner=planner)
-    failing = {"w": torch.empty(1000, device="meta")}  # same plan; fails while uploading
-    raised(lambda: dcp.save(failing, storage_writer=writer, planner=planner))
-    assert torch.equal(load(s3, bucket, "ck", second)["w"], second["w"])
+    error = raised(lambda: dcp.save(second, storage_writer=writer, planner=planner))
+    assert "CachingSavePlanner" in str(error) and "earlier save" in str(error)
+    assert listing(s3.client, bucket) == before
+    assert torch.equal(load(s3, bucket, "ck", first)["w"], first["w"])
+
+
+def test_the_commit_check_lists_a_large_save_in_ranges(
+    s3: Any, bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Listings of a save directory, one per `_LISTED` keys and each starting after the one
+    before, find every object (with strays between them) and miss none that is gone."""
+    monkeypatch.setattr(commit_module, "_LISTED", 10)
+    keys = [f"ck/data-{'a' * 24}/{rank:05d}-{i:03d}-abcdef" for rank in range(9) for i in range(4)]
+    strays = [f"ck/data-{'a' * 24}/.lease", f"ck/data-{'a' * 24}/00004-000-zzzzzz"]
+    for key in keys + strays:
+        s3.client.put_object(Bucket=bucket, Key=key, Body=b"xy")
+    store = get_store(s3.config())
+    expected = dict.fromkeys(keys, 2)
+    assert bridge.run(commit_module._changed(store, bucket, expected)) == []
+    s3.client.delete_object(Bucket=bucket, Key=keys[25])
+    changed = bridge.run(commit_module._changed(store, bucket, expected | {keys[3]: 3}))
+    assert changed == [(keys[3], 3, 2), (keys[25], 2, None)]

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.optim import Optimizer
 
 from ...config import S3Config, WriteOptions
+from ...dcp.planning import CachingSavePlanner
 from ...dcp.writer import S3Writer
 from ...engine import bridge
 from ...errors import CheckpointError, ConfigError, S3CkptError
@@ -66,8 +67,11 @@ class CheckpointManager:
         mgr.close()                       # waits for the last save, frees the staging buffers
 
     Saves go through one `S3Writer` (DCP's stager: its CPU buffers are reused); at most one is
-    in flight, and the next ``save`` that saves waits for it. A background save's error is raised
-    by the next ``save()`` or ``wait()`` (``raise_on_failure=False``: logged, and the run goes on).
+    in flight, and the next ``save`` that saves waits for it. They plan with a
+    `CachingSavePlanner`: a save whose state has the structure of the previous one skips DCP's
+    plan exchange (not with ``incremental``, whose references are planned per save). A
+    background save's error is raised by the next ``save()`` or ``wait()``
+    (``raise_on_failure=False``: logged, and the run goes on).
 
     Retention (``keep_last`` most recent, every ``keep_every``-th step, ``keep(step)`` true; see
     `Retention`) runs on the coordinator after each commit. It never deletes the newest committed
@@ -139,6 +143,8 @@ class CheckpointManager:
             incremental=incremental,
             full_every=full_every,
         )
+        # Incremental saves plan their references from every item: a cached, empty plan has none.
+        self._planner = None if incremental else CachingSavePlanner()
         group, agreement, self._groups = groups(process_group)
         self._run = Run(location, self.config, group, agreement)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="s3ckpt-manager")
@@ -279,6 +285,8 @@ class CheckpointManager:
         finally:
             self._closed = True
             self._writer.close()
+            if self._planner is not None:
+                self._planner.forget()
             self._worker.shutdown(wait=True)
             self._restore_handlers()
             release(self._groups)
@@ -336,6 +344,7 @@ class CheckpointManager:
                     state,
                     checkpoint_id=url,
                     storage_writer=self._writer,
+                    planner=self._planner,
                     process_group=self._run.group,
                 )
                 self._committed(step)
@@ -344,6 +353,7 @@ class CheckpointManager:
                 state,
                 checkpoint_id=url,
                 storage_writer=self._writer,
+                planner=self._planner,
                 process_group=self._run.group,
             )
         except (Exception, CheckpointException) as e:
