@@ -49,7 +49,7 @@ from s3ckpt.engine.store import get_store
 from s3ckpt.format import layout
 from s3ckpt.format.layout import Location
 from s3ckpt.format.record import decode
-from tests.faultproxy import Delay, FaultProxy
+from s3ckpt.testing.faultproxy import Delay, FaultProxy
 
 from .common import RESULTS, MiB, RssSampler, format_table, machine_info, median, s3_endpoint
 from .coordinator_state import local_plans, synthetic
@@ -104,7 +104,7 @@ def finish_cost(ranks: int, chunks: int) -> dict[str, Any]:
     writer._save_id = save.save_id
     encodes: list[tuple[float, int]] = []
     records: list[bytes] = []
-    encode = writer_module.encode
+    encode = writer_module.encode  # type: ignore[attr-defined]  # patched below, so the module's name
 
     def timed(*args: Any, **kwargs: Any) -> bytes:
         record, cpu = _cpu(lambda: encode(*args, **kwargs))
@@ -178,10 +178,10 @@ def commit_cost(
     bridge.run(upload())
     out: dict[str, Any] = {"ranks": ranks, "objects": len(keys), "latency_s": latency_s}
     runs: dict[str, list[tuple[float, float]]] = {}
-    with FaultProxy(config.endpoint_url or "") as proxy:
+    with FaultProxy(str(config.endpoint_url)) as proxy:
         slow = get_store(dataclasses.replace(config, endpoint_url=proxy.endpoint_url))
         # A steady-state save's client: connected, the bucket's checksum support known.
-        bridge.run(slow.wire_mode(bucket, location.key("warmup")))
+        bridge.run(slow.wire_mode(bucket, location.key("warmup")))  # type: ignore[attr-defined]
         for name, delay in (("delayed", latency_s), ("probed", probe_s)) * repeats:
             rule = proxy.add_rule(Delay(delay))
             before = proxy.requests

@@ -90,7 +90,7 @@ def synthetic(ranks: int, chunks_per_rank: int, objects_per_rank: int = 4) -> Sy
         )
         for name in names
     }
-    metadata = Metadata(state, planner_data={name: (name,) for name in names})
+    metadata = Metadata(dict(state), planner_data={name: (name,) for name in names})
     results: list[RankResults] = []
     objects: dict[str, int] = {}
     per_object = -(-chunks_per_rank // objects_per_rank)

@@ -43,8 +43,8 @@ from s3ckpt.dcp.planning import CachingSavePlanner
 from s3ckpt.engine import bridge
 from s3ckpt.engine.store import get_store
 from s3ckpt.format.layout import Location
+from s3ckpt.testing.faultproxy import Delay, FaultProxy
 from s3ckpt.tools.localserver import free_port
-from tests.faultproxy import Delay, FaultProxy
 
 from .common import MiB, RssSampler, format_table
 
@@ -142,7 +142,7 @@ def rank_main(rank: int, point: LayoutPoint, port: int, out_dir: str) -> None:
 
 def _rank_run(rank: int, point: LayoutPoint) -> dict[str, Any]:
     store = get_store(point.config)
-    bridge.run(store.wire_mode(point.bucket, f"{point.prefix}/warmup-{rank}"))
+    bridge.run(store.wire_mode(point.bucket, f"{point.prefix}/warmup-{rank}"))  # type: ignore[attr-defined]  # S3Store's
     state = _state(point, zeros=False)
     writer = _Stamped(point.bucket, config=point.config)
     planner = CachingSavePlanner()
@@ -170,7 +170,7 @@ def _rank_run(rank: int, point: LayoutPoint) -> dict[str, Any]:
     planner.forget()
     assert metadata is not None
     url = f"s3://{point.bucket}/{point.prefix}/step-2"
-    proxy = FaultProxy(point.config.endpoint_url or "") if rank == 0 else None
+    proxy = FaultProxy(str(point.config.endpoint_url)) if rank == 0 else None
     endpoint = [proxy.start().endpoint_url if proxy is not None else None]
     dist.broadcast_object_list(endpoint, src=0)
     records = None if proxy is None else proxy.add_rule(Delay(0.0), op="GetObject", key=".metadata")
@@ -202,7 +202,8 @@ def _rank_run(rank: int, point: LayoutPoint) -> dict[str, Any]:
 
 
 def _local(value: Any) -> torch.Tensor:
-    return value.to_local() if hasattr(value, "to_local") else value
+    local: torch.Tensor = value.to_local() if hasattr(value, "to_local") else value
+    return local
 
 
 def run_layout_point(point: LayoutPoint, timeout_s: float) -> dict[str, Any]:

@@ -253,15 +253,28 @@ class MemoryStore:
         await self._multipart(bucket, key, (bytes(chunk) async for chunk in chunks))
 
     async def list_objects(
-        self, bucket: str, prefix: str, *, delimiter: bool = False, limit: int | None = None
+        self,
+        bucket: str,
+        prefix: str,
+        *,
+        delimiter: bool = False,
+        limit: int | None = None,
+        start_after: str | None = None,
+        end: str | None = None,
     ) -> Listing:
+        """One page holds everything: a listing stops at the first key at or past ``end``."""
         self._count()
         keys = sorted(self._bucket(bucket, "list_objects_v2", prefix or None))
         found = self._buckets[bucket]
         objects: list[StoredObject] = []
         prefixes: list[str] = []
-        for key in itertools.islice(keys, bisect.bisect_left(keys, prefix), None):
+        first = bisect.bisect_left(keys, prefix)
+        if start_after is not None:
+            first = max(first, bisect.bisect_right(keys, start_after))
+        for key in itertools.islice(keys, first, None):
             if not key.startswith(prefix) or (limit is not None and len(objects) >= limit):
+                break
+            if end is not None and objects and objects[-1].key >= end:
                 break
             child, slash, _ = key[len(prefix) :].partition("/")
             if delimiter and slash:

@@ -141,6 +141,10 @@ def test_listings_in_key_order_with_child_prefixes(s3: S3Env, bucket: str) -> No
         "r/b/1",
     ]
     assert run(store.list_objects(bucket, "q/")).objects == []
+    after = run(store.list_objects(bucket, "r/", start_after="r/b/1"))
+    assert [o.key for o in after.objects] == ["r/b/2", "r/c/x/y", "r/d"]
+    ranged = run(store.list_objects(bucket, "r/", end="r/b/2"))  # may hold more: pages
+    assert [o.key for o in ranged.objects][:3] == ["r/a", "r/b/1", "r/b/2"]
     assert abs(tree.server_time - datetime.now(timezone.utc)) < timedelta(minutes=5)
 
 
