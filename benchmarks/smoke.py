@@ -57,6 +57,11 @@ CASES = [
         "--repeat 1",
     ),
     Case("bench_safetensors", "--gib 0.02 --repeat 1"),
+    Case("bench_coordinator", "--ranks 4 --chunks 20 --commit-ranks 8 --latency-ms 5"),
+    Case(
+        "bench_scale",
+        "--axes layouts --layouts replicated hsdp --layout-worlds 4 --layout-tensors 20",
+    ),
 ]
 
 

@@ -15,6 +15,8 @@ from s3ckpt.dcp.planning import CachingSavePlanner
 from s3ckpt.format import layout
 from tests.helpers import listing
 
+pytestmark = pytest.mark.stores("memory")  # not a wire test: see test_store_contract
+
 
 def load(s3: Any, bucket: str, prefix: str, like: dict[str, Any]) -> dict[str, Any]:
     loaded = {
