@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from ...errors import MetadataError
@@ -27,6 +28,7 @@ from ..jsoncheck import (
 )
 from ..jsonstream import Reader
 from ..layout import is_reference
+from . import table
 from .model import (
     DTYPE_SIZES,
     FORMAT,
@@ -58,6 +60,7 @@ _FIELDS = ("format", "version", "save_id", "created", "dcp_version", "extra", "s
 _MISSING = object()
 _LAST_VERSION = re.compile(r'"version"\s*:\s*(\d+)\s*}\s*$')
 MEMORY_BOUND = 10  # what decoding a record holds, at most, in multiples of its size (`decode`)
+MAX_SIZE = 256 << 20  # `S3Config.max_record_size`'s default
 
 _DTYPE_NAMES = {name: name for name in DTYPE_SIZES}
 _LAYOUTS = {name: name for name in LAYOUTS}
@@ -77,7 +80,7 @@ def check_record_size(size: int, limit: int, url: str) -> None:
         )
 
 
-def decode(data: bytes, *, url: str) -> Checkpoint:
+def decode(data: bytes, *, url: str, max_size: int = MAX_SIZE) -> Checkpoint:
     """Parse and validate a commit record; any defect is a MetadataError naming ``url`` and why.
 
     The result is the format's own model: no torch is imported until a load asks for DCP's
@@ -91,10 +94,15 @@ def decode(data: bytes, *, url: str) -> Checkpoint:
     entry chunk by chunk), every other value from a slice of at most `_SMALL_VALUE` bytes, each
     turned into the model as it is read; ``planner_data`` is checked and kept as its text until
     it is asked for. The densest valid content measured (one-element chunks; objects
-    holding one byte each) takes under 8 times its text."""
+    holding one byte each) takes under 8 times its text.
+
+    A version-3 record's item table (`table`) is compressed: its inflated size, which the state
+    dict's entries fix, must be at most ``max_size`` (``S3Config.max_record_size``, the bound
+    on the record's own size), checked before any of it is inflated; the bound above is then of
+    the record's size plus that inflated size."""
     try:
         with gc_paused():
-            return _decode_record(data, url)
+            return _decode_record(data, url, max_size)
     except Invalid as exc:
         raise MetadataError(f"{url}: {exc}", url=url) from None
     except RecursionError:
@@ -107,7 +115,7 @@ def decode_planner_data(text: str) -> Any:
         return _read_planner_data(Reader(text, "planner_data"), keep=True)
 
 
-def _decode_record(data: bytes, url: str) -> Checkpoint:
+def _decode_record(data: bytes, url: str, max_size: int) -> Checkpoint:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         fail(f"commit record must be bytes, got {type(data).__name__}")
     if bytes(data[:1]) == b"\x80":
@@ -149,12 +157,16 @@ def _decode_record(data: bytes, url: str) -> Checkpoint:
         if version < 2 and is_reference(key):
             fail(f"objects: {key!r} references another checkpoint, which version 1 cannot")
         as_count(size, f"objects[{key!r}]")
-    # s3ckpt lists the objects its items are in, no others: a record listing more costs a
-    # frame table each, however little text it takes to list one.
-    state_dict: dict[str, Entry] = get_field(record, "state_dict", "")
-    unnamed = next((key for key in objects if key not in named), None)
-    if unnamed is not None:
-        fail(f"objects: {unnamed!r} holds none of the state dict's items")
+    state_dict: dict[str, Entry | _Pending] = get_field(record, "state_dict", "")
+    if version < 3:
+        if "items" in record:
+            fail("items: an item table in a record of version 1 or 2")
+        entries = _resolve_inline(state_dict, named)
+        # s3ckpt lists the objects its items are in, no others: a record listing more costs a
+        # frame table each, however little text it takes to list one.
+        unnamed = next((key for key in objects if key not in named), None)
+        if unnamed is not None:
+            fail(f"objects: {unnamed!r} holds none of the state dict's items")
 
     frames: dict[str, FrameTable] = {}
     tables = as_dict(get_field(record, "frames", ""), "frames")
@@ -172,7 +184,13 @@ def _decode_record(data: bytes, url: str) -> Checkpoint:
     storage_meta = _decode_storage_meta(get_field(record, "storage_meta", ""))
     planner_data = get_field(record, "planner_data", "")
 
-    _check_locators(state_dict, frames)
+    if version < 3:
+        _check_locators(entries, frames)
+    else:
+        names = sorted(objects)
+        raw_sizes = [frames[key].raw_size for key in names]
+        items = get_field(record, "items", "")
+        entries = _resolve_table(state_dict, items, names, raw_sizes, max_size)
 
     return Checkpoint(
         save_id=save_id,
@@ -180,11 +198,13 @@ def _decode_record(data: bytes, url: str) -> Checkpoint:
         objects=objects,
         extra=extra,
         frames=frames,
-        entries=state_dict,
+        entries=entries,
         planner_source=planner_data,
         storage_meta=storage_meta,
         dcp_version=dcp_version,
         url=url,
+        record_size=len(data),
+        version=version,
     )
 
 
@@ -201,6 +221,14 @@ def _read_members(reader: Reader, record: dict[str, Any]) -> dict[str, str]:
             record[name] = _read_objects(reader)
         elif name == "frames":
             record[name] = _read_frames(reader)
+        elif name == "items":
+            record[name] = (
+                reader.value(name, _SMALL_VALUE)
+                if reader.peek() != "{"
+                else {
+                    key: reader.value(f"items.{key}", _SMALL_VALUE) for key in reader.members(name)
+                }
+            )
         elif name == "planner_data":
             _read_planner_data(reader, keep=False)
             record[name] = reader.text[start : reader.pos]
@@ -284,29 +312,128 @@ def _read_planner_data(reader: Reader, *, keep: bool) -> Any:
     return kept
 
 
-def _read_state_dict(reader: Reader, keys: dict[str, str]) -> dict[str, Entry]:
+def _read_state_dict(reader: Reader, keys: dict[str, str]) -> dict[str, Entry | _Pending]:
     """The state dict, decoded entry by entry as it is read: a small entry (most are) in one
-    scan, a larger one (many chunks) member by member and chunk by chunk."""
-    entries: dict[str, Entry] = {}
+    scan, a larger one (many chunks) member by member and chunk by chunk. An entry of the
+    version-3 shape (its items in the table) waits for the table (`_resolve_table`)."""
+    entries: dict[str, Entry | _Pending] = {}
     for fqn in reader.members("state_dict", into=entries):
         where = f"state_dict[{fqn!r}]"
         small = reader.small()
+        chunks: list[Chunk] | int | None = None
         if small is not None:
             fields = as_dict(small, where)
             listed = fields.pop("chunks", None)
-            chunks = None
-            if listed is not None:
+            if type(listed) is int:
+                chunks = listed
+            elif listed is not None:
                 at = joined(where, "chunks")
                 chunks = [_chunk(c, f"{at}[{i}]", keys) for i, c in enumerate(as_list(listed, at))]
         else:
-            fields, chunks = {}, None
+            fields = {}
             for name in reader.members(where):
-                if name == "chunks":
+                if name == "chunks" and reader.peek() == "[":
                     chunks = _read_chunks(reader, where, keys)
+                elif name == "chunks":
+                    chunks = reader.value(joined(where, name), _SMALL_VALUE)
+                    if type(chunks) is not int:
+                        as_list(chunks, where, "chunks")  # fails: neither a list nor a count
                 else:
                     fields[name] = reader.value(joined(where, name), _SMALL_VALUE)
-        entries[fqn] = _decode_entry(fields, chunks, where, keys)
+        if isinstance(chunks, list):
+            entries[fqn] = _decode_entry(fields, chunks, where, keys)
+        elif chunks is not None or (fields.get("type") == "bytes" and "locator" not in fields):
+            entries[fqn] = _Pending(fields, chunks, where)
+        else:
+            entries[fqn] = _decode_entry(fields, None, where, keys)
     return entries
+
+
+# A tensor entry's fields but its chunks: dtype, size, layout, memory format, requires_grad
+# and pin_memory.
+_Fields = tuple[str, list[int], str, str, bool, bool]
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    """An entry of the version-3 shape: its fields and (a tensor's) count of chunks."""
+
+    fields: dict[str, Any]
+    chunks: Any
+    where: str
+
+
+def _resolve_inline(
+    state_dict: dict[str, Entry | _Pending], keys: dict[str, str]
+) -> dict[str, Entry]:
+    """The entries of a version 1 or 2 record, which keeps its items inline: one of the
+    version-3 shape is refused as the older reader refused it."""
+    for fqn, entry in state_dict.items():
+        if isinstance(entry, _Pending):
+            if entry.chunks is not None:  # a count, which only version 3 has
+                as_list(entry.chunks, entry.where, "chunks")  # fails
+            state_dict[fqn] = _decode_entry(entry.fields, None, entry.where, keys)
+    return state_dict  # type: ignore[return-value]
+
+
+def _resolve_table(
+    state_dict: dict[str, Entry | _Pending],
+    items: Any,
+    names: list[str],
+    raw_sizes: list[int],
+    max_size: int,
+) -> dict[str, Entry]:
+    """The entries of a version-3 record from their fields and its item table, checked."""
+    specs: list[tuple[str, _Fields | None, int]] = []
+    rows = dims = 0
+    for fqn, entry in state_dict.items():
+        if not isinstance(entry, _Pending):
+            fail(
+                f"state_dict[{fqn!r}]: its locators are inline, but a version 3 record keeps "
+                "them in its item table"
+            )
+        kind = get_field(entry.fields, "type", entry.where)
+        if kind == "bytes":
+            specs.append((fqn, None, 1))
+            rows += 1
+        elif kind == "tensor":
+            if entry.chunks is None:
+                get_field(entry.fields, "chunks", entry.where)  # fails: missing
+            count = as_count(entry.chunks, entry.where, "chunks")
+            fields = _tensor_fields(entry.fields, entry.where)
+            specs.append((fqn, fields, count))
+            rows += count
+            dims += count * len(fields[1])
+        else:
+            fail(f"{entry.where}.type: expected 'tensor' or 'bytes', got {show(kind)}")
+    columns = table.unpack(items, rows, dims, max_size)
+    table.check_locators(columns, names, raw_sizes, lambda row: _row_name(specs, row))
+    entries: dict[str, Entry] = {}
+    row = col = 0
+    for fqn, tensor, count in specs:
+        if tensor is None:
+            key = names[columns.keys[row]]
+            entries[fqn] = BytesEntry(Locator(key, columns.offsets[row], columns.lengths[row]))
+        else:
+            dtype, size, layout, memory_format, requires_grad, pin_memory = tensor
+            where = f"state_dict[{fqn!r}]"
+            table.check_tensor(columns, row, col, count, size, DTYPE_SIZES[dtype], dtype, where)
+            chunks = table.ChunkList(columns, names, row, col, count, len(size))
+            entries[fqn] = TensorEntry(
+                dtype, size, layout, memory_format, requires_grad, pin_memory, chunks
+            )
+            col += count * len(size)
+        row += count
+    return entries
+
+
+def _row_name(specs: list[tuple[str, _Fields | None, int]], row: int) -> str:
+    """The item of a row of the table, for a message."""
+    for fqn, fields, count in specs:
+        if row < count:
+            return f"state_dict[{fqn!r}]" + ("" if fields is None else f".chunks[{row}]")
+        row -= count
+    return "items"
 
 
 def _decode_entry(
@@ -344,14 +471,7 @@ def _chunk(value: Any, at: str, keys: dict[str, str]) -> Chunk:
 
 
 def _decode_tensor(entry: dict[str, Any], chunks: list[Chunk], where: str) -> TensorEntry:
-    dtype: str = lookup(_DTYPE_NAMES, get_field(entry, "dtype", where), where, "dtype")
-    layout: str = lookup(_LAYOUTS, get_field(entry, "layout", where), where, "layout")
-    memory_format: str = lookup(
-        _MEMORY_FORMATS, get_field(entry, "memory_format", where), where, "memory_format"
-    )
-    requires_grad = as_bool(get_field(entry, "requires_grad", where), where, "requires_grad")
-    pin_memory = as_bool(get_field(entry, "pin_memory", where), where, "pin_memory")
-    size = as_counts(get_field(entry, "size", where), where, "size")
+    dtype, size, layout, memory_format, requires_grad, pin_memory = _tensor_fields(entry, where)
     itemsize = DTYPE_SIZES[dtype]
     boxes: list[Box] = []
     starts: set[tuple[int, ...]] = set()
@@ -368,6 +488,22 @@ def _decode_tensor(entry: dict[str, Any], chunks: list[Chunk], where: str) -> Te
         volume += count
     check_tiling(size, volume, boxes, where)
     return TensorEntry(dtype, size, layout, memory_format, requires_grad, pin_memory, chunks)
+
+
+def _tensor_fields(
+    entry: dict[str, Any], where: str
+) -> tuple[str, list[int], str, str, bool, bool]:
+    """A tensor entry's fields but its chunks: dtype, size, layout, memory format,
+    requires_grad and pin_memory."""
+    dtype: str = lookup(_DTYPE_NAMES, get_field(entry, "dtype", where), where, "dtype")
+    layout: str = lookup(_LAYOUTS, get_field(entry, "layout", where), where, "layout")
+    memory_format: str = lookup(
+        _MEMORY_FORMATS, get_field(entry, "memory_format", where), where, "memory_format"
+    )
+    requires_grad = as_bool(get_field(entry, "requires_grad", where), where, "requires_grad")
+    pin_memory = as_bool(get_field(entry, "pin_memory", where), where, "pin_memory")
+    size = as_counts(get_field(entry, "size", where), where, "size")
+    return dtype, size, layout, memory_format, requires_grad, pin_memory
 
 
 def _decode_locator(entry: dict[str, Any], where: str, keys: dict[str, str]) -> Locator:
