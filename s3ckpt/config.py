@@ -58,7 +58,8 @@ class S3Config:
     carry so that the server refuses damaged bytes (see `s3ckpt.engine.wire`; ``auto`` asks each
     bucket once).
     ``max_record_size`` is the largest commit record (``.metadata``) a load or a tool will read:
-    a larger one is refused with MetadataError before its bytes are downloaded.
+    a larger one is refused with MetadataError before its bytes are downloaded, and so is one
+    whose compressed item table would inflate to more (refused before it is inflated).
     ``adapt_to_throttling``: once the store answers 503 ``SlowDown``, 429 or another throttling
     code, send fewer requests at once (from 0.7 x those in flight, growing back by one per round
     trip up to ``max_concurrency``) and pace them (from 0.7 x the rate sent, growing back as the
