@@ -18,7 +18,15 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ...errors import MetadataError
-from .model import DTYPE_SIZES, LAYOUTS, MEMORY_FORMATS, Checkpoint, Locator, TensorEntry
+from .model import (
+    DTYPE_SIZES,
+    LAYOUTS,
+    MEMORY_FORMATS,
+    Checkpoint,
+    Locator,
+    TensorEntry,
+    gc_paused,
+)
 
 _T = TypeVar("_T")
 
@@ -45,6 +53,11 @@ def to_dcp(checkpoint: Checkpoint) -> tuple[Metadata, dict[MetadataIndex, Locato
     """DCP's ``Metadata`` of a decoded record, and its locators by DCP's index (also its
     ``storage_data``). The record is valid already; only a name this torch lacks (a dtype newer
     than it) can fail, as a MetadataError naming the record."""
+    with gc_paused():  # millions of acyclic objects, as in `decode`
+        return _to_dcp(checkpoint)
+
+
+def _to_dcp(checkpoint: Checkpoint) -> tuple[Metadata, dict[MetadataIndex, Locator]]:
     locators: dict[MetadataIndex, Locator] = {}
     state_dict: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
     for fqn, entry in checkpoint.entries.items():
