@@ -1,15 +1,16 @@
 """The commit record per chunk: bytes, encode and decode, version 3 (item table) against the
 inline JSON of versions 1 and 2.
 
-``python -m benchmarks.bench_record [--chunks 10000 100000 1000000] [--ranks 1000]``. No server:
+``python -m benchmarks.bench_record [--chunks 10000 100000 1000000] [--ranks 128]``. No server:
 the record of an FSDP-style save (every tensor ``Shard(0)`` over ``--ranks`` ranks, one chunk
-per rank, 4 objects per rank, bfloat16) is built as DCP hands it to the writer, encoded, and
-decoded; the old shape is the same record written inline (`tests.recordshapes.inline`), which
-is what s3ckpt wrote before version 3. Times are CPU seconds of this process (the machine is
-shared), the best of ``--repeat``. "B/extra chunk" is the record's growth per chunk from half
-the ranks to all of them (the tensors stay), as docs/scaling.md counts it; "to DCP" is building
-DCP's ``Metadata`` from the decoded record (`Checkpoint.metadata`), which a load does next.
-Writes ``benchmarks/results/record.json``.
+per rank, 4 objects per rank, bfloat16) is built as DCP hands it to the writer and encoded by
+today's encoder and by the last one that wrote versions 1-2 (loaded from git, commit
+`OLD_ENCODER`; without git the old shape comes from `tests.recordshapes.inline` and its encode
+is not timed), then decoded. Times are CPU seconds of this process (the machine may be shared),
+the best of ``--repeat``. "extra chunk" columns are the growth from half the ranks to all of
+them, the tensors staying (as docs/scaling.md counts a chunk); "to DCP" is building DCP's
+``Metadata`` from the decoded record (`Checkpoint.metadata`), which a load does next. Writes
+``benchmarks/results/record.json``.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import subprocess
 import sys
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,11 +35,14 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from benchmarks.common import RESULTS, format_table, machine_info
+from benchmarks.common import RESULTS, ROOT, format_table, machine_info
 from s3ckpt.format.frames import FrameTable
 from s3ckpt.format.record import Locator, decode, encode
+from s3ckpt.format.record.torchmeta import to_dcp
 from tests.recordshapes import inline
 
+OLD_ENCODER = "2234e1b"  # the last commit whose encoder wrote versions 1 and 2
+URL = "s3://b/p/.metadata"
 _OBJECTS_PER_RANK = 4
 _FRAME = 4 << 20
 
@@ -44,14 +50,37 @@ _FRAME = 4 << 20
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_record", description=__doc__)
     p.add_argument("--chunks", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
-    p.add_argument("--ranks", type=int, default=1000, help="chunks per tensor")
+    p.add_argument("--ranks", type=int, default=128, help="chunks per tensor")
     p.add_argument("--repeat", type=int, default=3, help="timings per step; the best counts")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=RESULTS / "record.json")
     return p.parse_args(argv)
 
 
-def fsdp_record(tensors: int, ranks: int, seed: int) -> Callable[[], bytes]:
+Encoder = Callable[..., bytes]
+
+
+def old_encoder() -> Encoder | None:
+    """`encode` as of `OLD_ENCODER`, which wrote the inline shape; None without git."""
+    path = "s3ckpt/format/record/encoder.py"
+    try:
+        shown = subprocess.run(
+            ["git", "show", f"{OLD_ENCODER}:{path}"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    module = types.ModuleType("s3ckpt.format.record.encoder_v2")
+    module.__package__ = "s3ckpt.format.record"
+    exec(compile(shown.stdout, f"{OLD_ENCODER}:{path}", "exec"), module.__dict__)
+    found: Encoder = module.encode
+    return found
+
+
+def fsdp_record(tensors: int, ranks: int, seed: int) -> Callable[[Encoder], bytes]:
     """What `S3Writer.finish` encodes for ``tensors`` tensors sharded over ``ranks`` ranks."""
     rng = random.Random(seed)
     state: dict[str, TensorStorageMetadata] = {}
@@ -76,8 +105,8 @@ def fsdp_record(tensors: int, ranks: int, seed: int) -> Callable[[], bytes]:
     objects = {name: end for name, end in zip(names, ends, strict=True) if end}
     frames = {name: _frames(size) for name, size in objects.items()}
 
-    def encoded() -> bytes:
-        return encode(
+    def encoded(encoder: Encoder) -> bytes:
+        return encoder(
             metadata, locators, save_id="s", created=1.7e9, objects=objects, frames=frames
         )
 
@@ -100,70 +129,81 @@ def cpu(step: Callable[[], Any], repeat: int) -> tuple[float, Any]:
     return best, out
 
 
-def point(chunks: int, ranks: int, repeat: int, seed: int) -> dict[str, Any]:
+def point(chunks: int, ranks: int, repeat: int, seed: int, old: Encoder | None) -> dict[str, Any]:
     tensors = max(1, chunks // ranks)
-    chunks = tensors * ranks
-    encoder = fsdp_record(tensors, ranks, seed)
-    encode_s, new = cpu(encoder, repeat)
-    half = fsdp_record(tensors, ranks // 2, seed)()
-    old, old_half = inline(new), inline(half)
-    out: dict[str, Any] = {"chunks": chunks, "tensors": tensors, "ranks": ranks}
-    extra = chunks - tensors * (ranks // 2)
-    for name, data, smaller in (("v3", new, half), ("inline", old, old_half)):
-        decode_s, checkpoint = cpu(lambda d=data: decode(d, url="s3://b/p/.metadata"), repeat)
-        dcp_s, _ = cpu(lambda c=checkpoint: _to_dcp(c), repeat)
-        out[name] = {
-            "bytes": len(data),
-            "bytes_per_chunk": len(data) / chunks,
-            "bytes_per_extra_chunk": (len(data) - len(smaller)) / extra,
-            "decode_us_per_chunk": decode_s / chunks * 1e6,
-            "to_dcp_us_per_chunk": dcp_s / chunks * 1e6,
+    out: dict[str, Any] = {"chunks": tensors * ranks, "tensors": tensors, "ranks": ranks}
+    extra = tensors * (ranks - ranks // 2)
+    sizes = {"all": ranks, "half": ranks // 2}
+    for shape, encoder in (("v3", encode), ("inline", old)):
+        measured: dict[str, dict[str, float | None]] = {}
+        for name, world in sizes.items():
+            record = fsdp_record(tensors, world, seed)
+            encode_s, data = (
+                cpu(lambda r=record, e=encoder: r(e), repeat)
+                if encoder is not None
+                else (None, inline(record(encode)))
+            )
+            decode_s, checkpoint = cpu(lambda d=data: decode(d, url=URL), repeat)
+            dcp_s, _ = cpu(lambda c=checkpoint: to_dcp(c), repeat)
+            measured[name] = {"bytes": len(data), "encode": encode_s, "decode": decode_s}
+            measured[name]["to_dcp"] = dcp_s
+            del data, checkpoint
+        full, half = measured["all"], measured["half"]
+        count = tensors * ranks
+        out[shape] = {
+            "bytes": full["bytes"],
+            "bytes_per_chunk": _per(full["bytes"], count),
+            "bytes_per_extra_chunk": _per(_less(full["bytes"], half["bytes"]), extra),
+            **{
+                f"{step}_us_per_chunk": _per(full[step], count, 1e6)
+                for step in ("encode", "decode", "to_dcp")
+            },
+            **{
+                f"{step}_us_per_extra_chunk": _per(_less(full[step], half[step]), extra, 1e6)
+                for step in ("encode", "decode")
+            },
         }
-    out["v3"]["encode_us_per_chunk"] = encode_s / chunks * 1e6
     return out
 
 
-def _to_dcp(checkpoint: Any) -> Any:
-    from s3ckpt.format.record.torchmeta import to_dcp
+def _less(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b
 
-    return to_dcp(checkpoint)
+
+def _per(value: float | None, count: int, scale: float = 1.0) -> float | None:
+    return None if value is None else value / count * scale
+
+
+_COLUMNS = {
+    "B": "bytes",
+    "B/chunk": "bytes_per_chunk",
+    "B/extra chunk": "bytes_per_extra_chunk",
+    "encode us": "encode_us_per_chunk",
+    "encode us/extra": "encode_us_per_extra_chunk",
+    "decode us": "decode_us_per_chunk",
+    "decode us/extra": "decode_us_per_extra_chunk",
+    "to DCP us": "to_dcp_us_per_chunk",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    results = [point(n, args.ranks, args.repeat, args.seed) for n in args.chunks]
-    headers = [
-        "chunks",
-        "shape",
-        "B",
-        "B/chunk",
-        "B/extra chunk",
-        "encode us",
-        "decode us",
-        "to DCP us",
+    old = old_encoder()
+    results = [point(n, args.ranks, args.repeat, args.seed, old) for n in args.chunks]
+    rows = [
+        [r["chunks"], shape, *(r[shape][key] for key in _COLUMNS.values())]
+        for r in results
+        for shape in ("inline", "v3")
     ]
-    rows = []
-    for r in results:
-        for name in ("inline", "v3"):
-            m = r[name]
-            rows.append(
-                [
-                    r["chunks"],
-                    name,
-                    m["bytes"],
-                    m["bytes_per_chunk"],
-                    m["bytes_per_extra_chunk"],
-                    m.get("encode_us_per_chunk"),
-                    m["decode_us_per_chunk"],
-                    m["to_dcp_us_per_chunk"],
-                ]
-            )
-    print(format_table(headers, rows))
-    print("us: CPU microseconds per chunk; inline: versions 1-2 (no encoder of it remains)")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(
-        json.dumps({"machine": machine_info(), "args": sys.argv[1:], "results": results}, indent=2)
+    print(format_table(["chunks", "record", *_COLUMNS], rows))
+    print(
+        "inline: versions 1-2 (encoder of commit "
+        f"{OLD_ENCODER if old else '-, not timed: no git'}); v3: the item table. us: CPU "
+        "microseconds per chunk; /extra: per chunk added from half the ranks to all"
     )
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    document = {"machine": machine_info(), "args": sys.argv[1:], "results": results}
+    args.json.write_text(json.dumps(document, indent=2))
     print(f"wrote {args.json}")
     return 0
 

@@ -310,7 +310,16 @@ class ChunkList(Sequence[Chunk]):
     def __reduce__(self) -> tuple[Any, ...]:
         return list, (list(self),)
 
+    def located(self) -> Iterator[tuple[tuple[int, ...], tuple[int, ...], Locator]]:
+        """Each chunk's offsets, sizes and locator, without a `Chunk` (what DCP's types need)."""
+        offsets, sizes, locators, _ = self._fields(0, self._count)
+        return zip(offsets, sizes, locators, strict=False)
+
     def _chunks(self, start: int, stop: int) -> Iterator[Chunk]:
+        return map(Chunk, *self._fields(start, stop))
+
+    def _fields(self, start: int, stop: int) -> tuple[Iterator[Any], ...]:
+        """Chunks ``start`` to ``stop``: iterators of their offsets, sizes, locators, digests."""
         table, count, row = self._table, self._count, self._row + start
         n = stop - start
 
@@ -330,6 +339,4 @@ class ChunkList(Sequence[Chunk]):
             table.lengths[row : row + n],
         )
         digests = map(table.digest, range(row, row + n)) if table.flags else repeat(None, n)
-        return map(
-            Chunk, columns(table.chunk_offsets), columns(table.chunk_sizes), locators, digests
-        )
+        return columns(table.chunk_offsets), columns(table.chunk_sizes), locators, digests

@@ -27,6 +27,7 @@ from .model import (
     TensorEntry,
     gc_paused,
 )
+from .table import ChunkList
 
 _T = TypeVar("_T")
 
@@ -96,11 +97,16 @@ def _tensor(
         pin_memory=entry.pin_memory,
     )
     chunks: list[ChunkStorageMetadata] = []
-    for position, chunk in enumerate(entry.chunks):
-        locators[MetadataIndex(fqn, chunk.offsets, position)] = chunk.locator
-        chunks.append(
-            ChunkStorageMetadata(offsets=torch.Size(chunk.offsets), sizes=torch.Size(chunk.sizes))
-        )
+    stored = entry.chunks
+    rows = (
+        stored.located()
+        if isinstance(stored, ChunkList)
+        else ((chunk.offsets, chunk.sizes, chunk.locator) for chunk in stored)
+    )
+    for position, (offsets, sizes, locator) in enumerate(rows):
+        start = torch.Size(offsets)
+        locators[MetadataIndex(fqn, start, position)] = locator
+        chunks.append(ChunkStorageMetadata(offsets=start, sizes=torch.Size(sizes)))
     return TensorStorageMetadata(properties=properties, size=torch.Size(entry.size), chunks=chunks)
 
 
