@@ -160,7 +160,7 @@ def check_tensor(
     dtype: str,
     where: str,
 ) -> None:
-    """The checks `decoder._decode_tensor` makes of inline chunks, on the table's columns:
+    """The checks `entries._decode_tensor` makes of inline chunks, on the table's columns:
     rows ``row`` on and chunk values ``col`` on are this tensor's ``count`` chunks."""
     ndim = len(size)
     offsets = [table.chunk_offsets[col + d * count : col + (d + 1) * count] for d in range(ndim)]
