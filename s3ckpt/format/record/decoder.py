@@ -83,7 +83,9 @@ def decode(data: bytes, *, url: str, max_size: int = MAX_SIZE) -> Checkpoint:
     A version-3 record's item table (`table`) is compressed: its inflated size, which the state
     dict's entries fix, must be at most ``max_size`` (``S3Config.max_record_size``, the bound
     on the record's own size), checked before any of it is inflated; the bound above is then of
-    the record's size plus that inflated size."""
+    the record's size plus that inflated size (40 bytes a chunk of one dimension, 56 of two).
+    The densest table measured, 300,000 one-element chunks in shuffled order (a tuple each in
+    the checks), took under 6 times that."""
     try:
         with gc_paused():
             return _decode_record(data, url, max_size)
