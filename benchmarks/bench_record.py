@@ -53,6 +53,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ranks", type=int, default=128, help="chunks per tensor")
     p.add_argument("--repeat", type=int, default=3, help="timings per step; the best counts")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--uneven",
+        action="store_true",
+        help="rows that do not divide by the ranks, shards packed in each rank's own order",
+    )
     p.add_argument("--json", type=Path, default=RESULTS / "record.json")
     return p.parse_args(argv)
 
@@ -80,27 +85,39 @@ def old_encoder() -> Encoder | None:
     return found
 
 
-def fsdp_record(tensors: int, ranks: int, seed: int) -> Callable[[Encoder], bytes]:
-    """What `S3Writer.finish` encodes for ``tensors`` tensors sharded over ``ranks`` ranks."""
+def fsdp_record(
+    tensors: int, ranks: int, seed: int, uneven: bool = False
+) -> Callable[[Encoder], bytes]:
+    """What `S3Writer.finish` encodes for ``tensors`` tensors sharded over ``ranks`` ranks. With
+    ``uneven``, rows do not divide by the ranks (the first ranks hold one more), each rank
+    packs its shards in an order of its own, and some are 64-byte aligned (gaps)."""
     rng = random.Random(seed)
     state: dict[str, TensorStorageMetadata] = {}
-    locators: dict[MetadataIndex, Locator] = {}
-    ends = [0] * (ranks * _OBJECTS_PER_RANK)
+    shards: list[tuple[int, str, int, list[int], int, int]] = []  # t, fqn, rank, offsets, ...
     names = [f"data-4f1c2a9e/{r:05d}-{o:03d}" for r in range(ranks) for o in range(4)]
     props = TensorProperties(dtype=torch.bfloat16)
     for t in range(tensors):
         rows, cols = rng.choice((1, 2, 4, 8, 16)), rng.choice((1024, 4096, 8192))
+        total = rng.randint(ranks, 16 * ranks) if uneven else rows * ranks
         fqn = f"model.layers.{t // 10}.block.{t % 10}.weight"
-        chunks = []
+        chunks, at = [], 0
         for rank in range(ranks):
-            chunks.append(
-                ChunkStorageMetadata(torch.Size([rank * rows, 0]), torch.Size([rows, cols]))
-            )
-            obj = rank * _OBJECTS_PER_RANK + t * _OBJECTS_PER_RANK // tensors
-            length = rows * cols * 2
-            locators[MetadataIndex(fqn, [rank * rows, 0])] = Locator(names[obj], ends[obj], length)
-            ends[obj] += length
-        state[fqn] = TensorStorageMetadata(props, torch.Size([ranks * rows, cols]), chunks)
+            held = total // ranks + (rank < total % ranks)
+            chunks.append(ChunkStorageMetadata(torch.Size([at, 0]), torch.Size([held, cols])))
+            shards.append((t, fqn, rank, [at, 0], held, cols))
+            at += held
+        state[fqn] = TensorStorageMetadata(props, torch.Size([total, cols]), chunks)
+    if uneven:
+        rng.shuffle(shards)  # each rank's shards in an order of its own
+    locators: dict[MetadataIndex, Locator] = {}
+    ends = [0] * (ranks * _OBJECTS_PER_RANK)
+    for t, fqn, rank, offsets, rows, cols in shards:
+        obj = rank * _OBJECTS_PER_RANK + t * _OBJECTS_PER_RANK // tensors
+        if uneven and rng.random() < 0.3:
+            ends[obj] += -ends[obj] % 64
+        length = rows * cols * 2
+        locators[MetadataIndex(fqn, offsets)] = Locator(names[obj], ends[obj], length)
+        ends[obj] += length
     metadata = Metadata(state_dict_metadata=state, planner_data={})
     objects = {name: end for name, end in zip(names, ends, strict=True) if end}
     frames = {name: _frames(size) for name, size in objects.items()}
@@ -129,7 +146,8 @@ def cpu(step: Callable[[], Any], repeat: int) -> tuple[float, Any]:
     return best, out
 
 
-def point(chunks: int, ranks: int, repeat: int, seed: int, old: Encoder | None) -> dict[str, Any]:
+def point(args: argparse.Namespace, chunks: int, old: Encoder | None) -> dict[str, Any]:
+    ranks, repeat, seed = args.ranks, args.repeat, args.seed
     tensors = max(1, chunks // ranks)
     out: dict[str, Any] = {"chunks": tensors * ranks, "tensors": tensors, "ranks": ranks}
     extra = tensors * (ranks - ranks // 2)
@@ -137,7 +155,7 @@ def point(chunks: int, ranks: int, repeat: int, seed: int, old: Encoder | None) 
     for shape, encoder in (("v3", encode), ("inline", old)):
         measured: dict[str, dict[str, float | None]] = {}
         for name, world in sizes.items():
-            record = fsdp_record(tensors, world, seed)
+            record = fsdp_record(tensors, world, seed, args.uneven)
             encode_s, data = (
                 cpu(lambda r=record, e=encoder: r(e), repeat)
                 if encoder is not None
@@ -189,7 +207,7 @@ _COLUMNS = {
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     old = old_encoder()
-    results = [point(n, args.ranks, args.repeat, args.seed, old) for n in args.chunks]
+    results = [point(args, n, old) for n in args.chunks]
     rows = [
         [r["chunks"], shape, *(r[shape][key] for key in _COLUMNS.values())]
         for r in results
