@@ -62,7 +62,8 @@ class S3Config:
     ``checksum`` is what uploads carry so that the server refuses damaged bytes (see
     `s3ckpt.engine.wire`; ``auto`` asks each bucket once).
     ``max_record_size`` is the largest commit record (``.metadata``) a load or a tool will read:
-    a larger one is refused with MetadataError before its bytes are downloaded.
+    a larger one is refused with MetadataError before its bytes are downloaded, and so is one
+    whose compressed item table would inflate to more (refused before it is inflated).
     ``adapt_to_throttling``: once the store answers 503 ``SlowDown``, 429 or another throttling
     code, send fewer requests at once (from 0.7 x those in flight, growing back by one per round
     trip up to ``max_concurrency``) and pace them (from 0.7 x the rate sent, growing back as the
@@ -97,11 +98,12 @@ class S3Config:
     multipart_threshold: int = 16 * MiB
     max_concurrency: int = 16
     checksum: Literal["auto", "crc32c", "md5", "off"] = "auto"
-    # Measured: a record takes 326 bytes per one-chunk tensor and ~135 per further chunk (100k
-    # tensors: 33 MB), and decoding holds 3-4x its size (`record.decode`: at most 10x, whatever
-    # it holds). So 256 MiB is some 800k tensors or 2M chunks, ~1 GB to decode on every rank
-    # (2.5 GiB at most); a hostile or runaway record over it costs nothing (refused before its
-    # download).
+    # Measured: a record took 326 bytes per one-chunk tensor and ~135 per further chunk (100k
+    # tensors: 33 MB) before format version 3, and decoding holds 3-4x its size (`record.decode`:
+    # at most 10x, whatever it holds). So 256 MiB is some 800k tensors or 2M chunks, ~1 GB to
+    # decode on every rank (2.5 GiB at most); a hostile or runaway record over it costs nothing
+    # (refused before its download). Version 3 takes 1-8 bytes per further chunk (`bench_record`)
+    # and its table inflates to 56 per chunk, which this also bounds: some 4.8M chunks.
     max_record_size: int = 256 * MiB
     adapt_to_throttling: bool = True
 

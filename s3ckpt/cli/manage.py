@@ -13,7 +13,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from ..format import layout
-from ..format.record import TensorEntry
+from ..format.record import Checkpoint, TensorEntry
 from .base import (
     EXIT_ERROR,
     EXIT_NOT_FOUND,
@@ -154,16 +154,18 @@ def _info(session: Session) -> int:
     per_rank = [[or_dash(r["rank"]), str(r["objects"]), human_size(r["bytes"])] for r in by_rank]
     text = "\n\n".join(
         [
-            "\n".join(f"{name + ':':<12} {value}" for name, value in _summary(info)),
+            "\n".join(f"{name + ':':<12} {value}" for name, value in _summary(info, checkpoint)),
             format_table(["ITEM", "DTYPE", "SHAPE", "SIZE"], tensors, right={3}),
             format_table(["RANK", "OBJECTS", "SIZE"], per_rank, right={0, 1, 2}),
         ]
     )
-    session.emit({"checkpoint": as_plain(info), "items": items, "ranks": by_rank}, text)
+    record = {"bytes": checkpoint.record_size, "version": checkpoint.version}
+    shown = {"checkpoint": as_plain(info), "record": record, "items": items, "ranks": by_rank}
+    session.emit(shown, text)
     return EXIT_OK
 
 
-def _summary(info: CheckpointInfo) -> list[tuple[str, str]]:
+def _summary(info: CheckpointInfo, checkpoint: Checkpoint) -> list[tuple[str, str]]:
     stored, logical = info.stored_bytes, info.logical_bytes
     ratio = f" ({stored / logical:.0%} of logical)" if logical else ""
     frames = None if info.frame_size is None else human_size(info.frame_size)
@@ -183,6 +185,10 @@ def _summary(info: CheckpointInfo) -> list[tuple[str, str]]:
         ("s3ckpt", or_dash(info.s3ckpt_version)),
         ("torch", or_dash(info.torch_version)),
         ("total", f"{human_size(info.total_bytes)} in {info.num_objects} objects (with .metadata)"),
+        (
+            "record",
+            f"{checkpoint.record_size:,} bytes (.metadata, format version {checkpoint.version})",
+        ),
     ]
 
 

@@ -325,7 +325,11 @@ async def _previous(store: ObjectStore, location: Location) -> tuple[bytes | Non
     record cannot make an overwrite delete another checkpoint's record or a file."""
     try:
         raw = await _read_back(store, location)
-        previous = None if raw is None else decode(raw, url=location.metadata_url)
+        previous = (
+            None
+            if raw is None
+            else decode(raw, url=location.metadata_url, max_size=store.config.max_record_size)
+        )
     except S3CkptError as e:
         log.warning("%s: replacing a record whose objects cannot be listed: %s", location.url, e)
         return None, set()

@@ -157,7 +157,7 @@ def read_once(
     shared = broadcast(ranks, found)
     if isinstance(shared, Checkpoint):  # a record that landed just after the first GET
         return shared
-    return decode(shared, url=location.metadata_url)
+    return decode(shared, url=location.metadata_url, max_size=store.config.max_record_size)
 
 
 def picklable(error: BaseException) -> BaseException:

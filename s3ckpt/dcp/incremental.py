@@ -180,7 +180,15 @@ async def find_base(
     for _, sibling in sorted(older, key=lambda s: s[0], reverse=True)[:_TRIES]:
         try:
             record = await read_record(store, sibling)
-            checkpoint = None if record is None else decode(record[0], url=sibling.metadata_url)
+            checkpoint = (
+                None
+                if record is None
+                else decode(
+                    record[0],
+                    url=sibling.metadata_url,
+                    max_size=store.config.max_record_size,
+                )
+            )
         except MetadataError as e:
             log.warning("%s: not a base, its record cannot be read: %s", sibling.url, e)
             continue

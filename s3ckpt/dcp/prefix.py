@@ -123,7 +123,9 @@ async def read_prefix(store: ObjectStore, location: Location, *, below: bool = T
     if found is not None:
         raw, etag = found
         try:
-            checkpoint = decode(raw, url=location.metadata_url)
+            checkpoint = decode(
+                raw, url=location.metadata_url, max_size=store.config.max_record_size
+            )
         except MetadataError as e:
             return AtPrefix(location, State.UNREADABLE, error=e)
         return AtPrefix(location, State.COMMITTED, checkpoint, etag, len(raw))

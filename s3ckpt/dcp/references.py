@@ -197,7 +197,7 @@ async def _record(store: ObjectStore, location: Location) -> Record | None:
         if found is None:
             return None
         raw, etag = found
-        checkpoint = decode(raw, url=location.metadata_url)
+        checkpoint = decode(raw, url=location.metadata_url, max_size=store.config.max_record_size)
     except MetadataError as e:
         log.warning("%s: what it references is unknown, its data is kept: %s", location.url, e)
         return Record(location, head.etag, head.size, unreadable=str(e))

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import base64
 import json
+import random
 import resource
 import struct
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,10 +29,12 @@ from s3ckpt.config import MiB
 from s3ckpt.engine.store import get_store
 from s3ckpt.errors import MetadataError, StorageError
 from s3ckpt.format.frames import RAW, ZSTD
+from s3ckpt.format.record import table as item_table
 from s3ckpt.format.record.decoder import MEMORY_BOUND
 from s3ckpt.tools import catalog
 from s3ckpt.tools.verify import verify
 from tests.helpers import peak_growth, raised
+from tests.recordshapes import Columns, edit_table, inline
 
 pytestmark = pytest.mark.stores("memory")  # not a wire test: see test_store_contract
 
@@ -52,16 +56,28 @@ def save(s3: Any, bucket: str) -> dict[str, Any]:
     return state
 
 
-def record(s3: Any, bucket: str) -> dict[str, Any]:
+def record(s3: Any, bucket: str, *, shape: str = "inline") -> dict[str, Any]:
+    """The saved record, as written (``"table"``, version 3) or in the inline shape of versions
+    1 and 2 (`recordshapes.inline`), which most tests here edit: old records are checked too."""
     body = s3.client.get_object(Bucket=bucket, Key="ck/.metadata")["Body"].read()
-    loaded: dict[str, Any] = json.loads(body)
+    loaded: dict[str, Any] = json.loads(body if shape == "table" else inline(body))
     return loaded
 
 
-def tamper(s3: Any, bucket: str, change: Callable[[dict[str, Any]], None]) -> None:
-    edited = record(s3, bucket)
+def tamper(
+    s3: Any, bucket: str, change: Callable[[dict[str, Any]], None], *, shape: str = "inline"
+) -> None:
+    edited = record(s3, bucket, shape=shape)
     change(edited)
     s3.client.put_object(Bucket=bucket, Key="ck/.metadata", Body=json.dumps(edited).encode())
+
+
+# The rows of the saved record's item table: its items in the order of their names.
+_ROWS = {"d": 0, "step": 1, "w": 2}
+
+
+def in_table(change: Callable[[Columns], None]) -> Callable[[dict[str, Any]], None]:
+    return lambda edited: edit_table(edited, change)
 
 
 def load(s3: Any, bucket: str, **config: Any) -> dict[str, Any]:
@@ -108,6 +124,46 @@ def test_float64_bytes_are_never_read_as_float32(s3: Any, bucket: str) -> None:
     error = refused(s3, bucket)
     assert "state_dict['d'].chunks[0].locator: 80 bytes" in str(error)
     assert "torch.float32" in str(error)
+
+
+def _set(column: str, row: int, value: int) -> Callable[[Columns], None]:
+    return lambda table: table[column].__setitem__(row, value)
+
+
+def test_the_item_table_is_checked_as_inline_locators_were(s3: Any, bucket: str) -> None:
+    """Version 3: a locator of other than its chunk's bytes, one past its object's end, one in
+    an object the record does not list, and chunks that leave a gap are refused, naming the
+    item; a record from before (inline) is refused alike (the tests above)."""
+    save(s3, bucket)
+    original = s3.client.get_object(Bucket=bucket, Key="ck/.metadata")["Body"].read()
+    w, objects = _ROWS["w"], record(s3, bucket, shape="table")["objects"]
+    (size,) = objects.values()
+
+    def tamper_table(change: Callable[[dict[str, Any]], None]) -> None:
+        s3.client.put_object(Bucket=bucket, Key="ck/.metadata", Body=original)
+        tamper(s3, bucket, change, shape="table")
+
+    cases: list[tuple[Callable[[Columns], None], str]] = [
+        (_set("lengths", w, 240), "state_dict['w'].chunks[0].locator: 240 bytes"),
+        (_set("offsets", w, size - 16), "state_dict['w'].chunks[0].locator: bytes"),
+        (_set("keys", _ROWS["step"], 1), "state_dict['step'].locator: object 1 is not listed"),
+        (_set("chunk_sizes", 0, 11), "state_dict['d'].chunks[0]: offsets [0] + sizes [11]"),
+        (_set("chunk_sizes", 1, 12), "state_dict['w'].chunks[0].locator: 256 bytes"),
+    ]
+    for change, cause in cases:
+        tamper_table(in_table(change))
+        error = refused(s3, bucket)
+        assert cause in str(error) and f"s3://{bucket}/ck/.metadata" in str(error)
+
+    def gap(table: Columns) -> None:
+        table["chunk_sizes"][1] = 12
+        table["lengths"][w] = 12 * 4 * 4
+
+    tamper_table(in_table(gap))
+    cause = "state_dict['w']: its chunks hold 48 elements, the tensor 64: they leave a gap"
+    assert cause in str(refused(s3, bucket))
+    tamper_table(lambda r: r["state_dict"]["d"].update(dtype="float32"))
+    assert "state_dict['d'].chunks[0].locator: 80 bytes" in str(refused(s3, bucket))
 
 
 def _gap(edited: dict[str, Any]) -> None:
@@ -424,3 +480,50 @@ def test_a_valid_record_of_the_densest_kind_costs_under_its_bound(s3: Any, bucke
     body = json.dumps(edited, separators=(",", ":")).encode()
     growth = _decoded_in_a_child(s3, bucket, body, "info", exits=0)
     assert growth < MEMORY_BOUND * len(body), (growth, len(body))
+
+
+def test_a_dense_item_table_costs_under_its_bound(s3: Any, bucket: str) -> None:
+    """Version 3: 300,000 one-element chunks, in shuffled order (so the general checks run,
+    a tuple per chunk, not the whole-array proof of an ordered sharding) and at scattered
+    offsets: ``info`` reads the record within `MEMORY_BOUND` times its size plus its table's
+    inflated size."""
+    save(s3, bucket)
+    edited = record(s3, bucket, shape="table")
+    count, key = 300_000, the_object(edited)
+    edited["state_dict"] = {"t": {**edited["state_dict"]["w"], "size": [count], "chunks": count}}
+    edited["objects"] = {key: edited["objects"][key]}
+    order = list(range(count))
+    random.Random(3).shuffle(order)
+    edited["items"] = item_table.pack(
+        [0] * count, [4 * (i % 64) for i in order], [4] * count, order, [1] * count, [None] * count
+    )
+    body = json.dumps(edited, separators=(",", ":")).encode()
+    inflated = item_table.inflated_size(count, count, False)
+    growth = _decoded_in_a_child(s3, bucket, body, "info", exits=0)
+    assert growth < MEMORY_BOUND * (len(body) + inflated), (growth, len(body), inflated)
+
+
+@pytest.mark.parametrize("bomb", ["counts", "stream"])
+def test_an_item_table_cannot_inflate_past_what_its_counts_make(
+    s3: Any, bucket: str, bomb: str
+) -> None:
+    """A table whose entries claim a billion chunks is refused before anything is inflated
+    (its size is over ``max_record_size``); one whose deflated stream holds 1 GiB of zeros
+    behind a record of a few chunks is cut at what the counts make: neither allocates more."""
+    save(s3, bucket)
+    edited = record(s3, bucket, shape="table")
+    if bomb == "counts":
+        edited["state_dict"]["w"].update(size=[10**9, 4], chunks=10**9)
+        edited["items"].update(rows=10**9 + 2, dims=1 + 2 * 10**9)  # as the entries say
+        cause = "over the 268435456 bytes a reader accepts (S3Config.max_record_size)"
+    else:
+        inflater = zlib.compressobj(9)
+        zeros = bytes(16 * MiB)
+        stream = b"".join(inflater.compress(zeros) for _ in range(64)) + inflater.flush()
+        edited["items"]["deflated"] = base64.b64encode(stream).decode()
+        cause = "inflates to other than the"
+    s3.client.put_object(Bucket=bucket, Key="ck/.metadata", Body=json.dumps(edited).encode())
+    before = peak_rss_mb()
+    error = refused(s3, bucket)
+    assert peak_rss_mb() - before < _MAX_GROWTH_MB
+    assert "items" in str(error) and cause in str(error), str(error)

@@ -19,6 +19,7 @@ import torch.distributed.checkpoint as dcp
 
 from s3ckpt import CheckpointNotFound, S3Reader, S3Writer, WriteOptions
 from s3ckpt.cli.base import human_size
+from s3ckpt.format.record import BytesEntry, decode
 from s3ckpt.tools import catalog
 from tests.conftest import Cli, S3Env
 from tests.helpers import listing, raised
@@ -114,16 +115,15 @@ def test_info_shows_how_the_checkpoint_was_saved(
     code, out, _ = cli("--json", "info", f"s3://{bucket}/ck/step-9")
     assert code == 0
     shown = json.loads(out)["checkpoint"]
-    record = json.loads(
-        s3.client.get_object(Bucket=bucket, Key="ck/step-9/.metadata")["Body"].read()
-    )
+    raw = s3.client.get_object(Bucket=bucket, Key="ck/step-9/.metadata")["Body"].read()
+    record = json.loads(raw)
+    assert json.loads(out)["record"] == {"bytes": len(raw), "version": 3}
     data = {k: v for k, v in listing(s3.client, bucket, "ck/step-9/").items() if "/data-" in k}
     assert shown["state"] == "committed" and shown["save_id"] == record["save_id"]
     assert shown["world_size"] == 1 and shown["tensors"] == 2
-    assert (
-        shown["logical_bytes"]
-        == tensor_bytes(saved) + record["state_dict"]["step"]["locator"]["length"]
-    )
+    step = decode(raw, url="s3://b/ck/.metadata").entries["step"]
+    assert isinstance(step, BytesEntry)
+    assert shown["logical_bytes"] == tensor_bytes(saved) + step.locator.length
     assert shown["stored_bytes"] == sum(data.values())
     assert shown["frame_size"] == 64 * 1024
     assert shown["s3ckpt_version"] == metadata.version("s3ckpt")
@@ -136,6 +136,7 @@ def test_info_shows_how_the_checkpoint_was_saved(
     assert lines["frame size"].strip() == "64.0 KiB"
     assert lines["world size"].strip() == "1 (ranks)" and lines["tensors"].strip() == "2"
     assert lines["torch"].strip() == torch.__version__
+    assert lines["record"].strip() == f"{len(raw):,} bytes (.metadata, format version 3)"
     if compression:
         assert shown["stored_bytes"] < shown["logical_bytes"] / 4  # zeros and a ramp
         assert "% of logical)" in lines["stored"]

@@ -13,6 +13,7 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
 from s3ckpt import S3Writer
+from s3ckpt.format.record import TensorEntry, decode
 from s3ckpt.testing.faultproxy import Delay, FaultProxy
 from tests import share_workers
 from tests.helpers import listing
@@ -36,15 +37,17 @@ def stored(s3: Any, bucket: str, prefix: str) -> int:
 def frames_of(s3: Any, bucket: str, prefix: str, names: list[str]) -> int:
     """The bytes of the frames that hold the tensors ``names`` (reads fetch whole frames)."""
     raw = s3.client.get_object(Bucket=bucket, Key=f"{prefix}/.metadata")["Body"].read()
-    record = json.loads(raw)
+    record = decode(raw, url=f"s3://{bucket}/{prefix}/.metadata")
     frames = set()
     for name in names:
-        for chunk in record["state_dict"][name]["chunks"]:
-            locator = chunk["locator"]
-            size = record["frames"][locator["key"]]["frame_size"]
-            first, last = locator["offset"], locator["offset"] + locator["length"] - 1
-            frames |= {(locator["key"], n, size) for n in range(first // size, last // size + 1)}
-    total = sum(record["objects"][key] for key in {key for key, _, _ in frames})
+        entry = record.entries[name]
+        assert isinstance(entry, TensorEntry)
+        for chunk in entry.chunks:
+            locator = chunk.locator
+            size = record.frames[locator.key].frame_size
+            first, last = locator.offset, locator.offset + locator.length - 1
+            frames |= {(locator.key, n, size) for n in range(first // size, last // size + 1)}
+    total = sum(record.objects[key] for key in {key for key, _, _ in frames})
     return min(total, sum(size for _, _, size in frames))
 
 

@@ -16,28 +16,34 @@ are imported only when it is first used (PEP 562).
 
 Layout (the file is compact UTF-8 with sorted keys; spaced out here for reading)::
 
-    {"format": "s3ckpt", "version": 1, "save_id": "...", "created": 1700000000.5,
+    {"format": "s3ckpt", "version": 3, "save_id": "...", "created": 1700000000.5,
      "dcp_version": "1.0.0", "objects": {"data/0.bin": 4096}, "extra": {...},
      "storage_meta": {"checkpoint_id": ..., "save_id": ..., "load_id": ..., "modules": []},
      "planner_data": {"model.w": {"__tuple__": ["model", "w"]}, ...},
      "state_dict": {
         "model.w": {"type": "tensor", "dtype": "bfloat16", "size": [4, 3], "layout": "strided",
                     "memory_format": "contiguous_format", "requires_grad": false,
-                    "pin_memory": false,
-                    "chunks": [{"offsets": [0, 0], "sizes": [4, 3],
-                                "locator": {"key": "data/0.bin", "offset": 0, "length": 24}}]},
-        "step": {"type": "bytes", "locator": {"key": "data/0.bin", "offset": 24, "length": 11}}}}
+                    "pin_memory": false, "chunks": 1},
+        "step": {"type": "bytes"}},
+     "items": {"rows": 2, "dims": 2, "digests": false, "deflated": "eJxjYGBgYGBgYGBgYAA..."}}
 
-``planner_data`` is plain JSON except that a Python tuple is written as ``{"__tuple__": [...]}``,
-so the default planners' ``{fqn: ("a", 0, "b")}`` paths come back as tuples, exactly.
+``items`` (`table`) holds, for every item in the order of the state dict's names, where its
+bytes are (object, offset, length) and, for a tensor's chunks, their offsets, sizes and
+digests: integer columns, deflated, so that a chunk costs a few bytes instead of a JSON object
+of some 126. ``planner_data`` is plain JSON except that a Python tuple is written as
+``{"__tuple__": [...]}``, so the default planners' ``{fqn: ("a", 0, "b")}`` paths come back as
+tuples, exactly.
 
-Incremental saves (format version 2) add two things. A chunk may carry ``"xxh3"``, the xxh3-128
-digest of its bytes (32 hex digits), which the next save compares. And a key in ``objects``,
-``frames`` and the locators may reference a sibling checkpoint's data object,
-``../<sibling>/data-<save_id>/<name>`` (`layout.reference`), listed with its size and frame table
-like the record's own objects, so that the record loads alone. Records of incremental saves are
-version 2, which older s3ckpt refuses as "written by a newer s3ckpt" (and so never removes:
-it does not know that later checkpoints may reference a base's objects); others stay version 1.
+Incremental saves need two things. A chunk may carry the xxh3-128 digest of its bytes, which
+the next save compares. And a key in ``objects``, ``frames`` and the locators may reference a
+sibling checkpoint's data object, ``../<sibling>/data-<save_id>/<name>`` (`layout.reference`),
+listed with its size and frame table like the record's own objects, so that the record loads
+alone. Earlier versions are read as they were written: version 1 kept each chunk inline
+(``"chunks": [{"offsets": [0, 0], "sizes": [4, 3], "locator": {"key": "data/0.bin",
+"offset": 0, "length": 24}}]``, a bytes entry its ``"locator"``), version 2 added digests
+(``"xxh3"``: 32 hex digits) and references to that shape. s3ckpt before version 3 refuses a
+version-3 record as "written by a newer s3ckpt" (and so never removes a checkpoint whose
+objects later ones may reference).
 
 ``extra`` is free-form; `S3Writer` records there what the tools show and the rest of the record
 does not say: ``world_size``, ``compression`` (``"zstd"`` or null), ``compression_level`` and

@@ -4,53 +4,43 @@ field, and as a whole, before anything in it is used."""
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
 from typing import Any
 
 from ...errors import MetadataError
 from ..frames import FrameTable
 from ..jsoncheck import (
     Invalid,
-    as_bool,
     as_count,
-    as_counts,
     as_dict,
     as_list,
     as_str,
     fail,
     get_field,
     is_count,
-    joined,
-    lookup,
     opt_str,
     show,
 )
 from ..jsonstream import Reader
 from ..layout import is_reference
+from .entries import (
+    SMALL_VALUE,
+    Pending,
+    check_inline_locators,
+    read_state_dict,
+    resolve_inline,
+    resolve_table,
+)
 from .model import (
-    DTYPE_SIZES,
     FORMAT,
     FORMAT_VERSION,
-    LAYOUTS,
-    MEMORY_FORMATS,
     TUPLE_TAG,
-    BytesEntry,
     Checkpoint,
-    Chunk,
     Entry,
-    Locator,
     StorageInfo,
-    TensorEntry,
-    check_locator,
     gc_paused,
-    is_digest,
     is_valid_key,
 )
-from .tiling import Box, check_chunk, check_extent, check_tiling
 
-# The most text one value inside the state dict, the frame tables or planner_data may take
-# (a chunk with its offsets, sizes and digest; a path): s3ckpt writes at most a few hundred.
-_SMALL_VALUE = 64 * 1024
 # The most text extra, storage_meta or any other top-level field may take, free-form (s3ckpt
 # writes some 200 bytes each), and so at most 30 times that in memory.
 _FREE_FORM = 1024 * 1024
@@ -58,10 +48,7 @@ _FIELDS = ("format", "version", "save_id", "created", "dcp_version", "extra", "s
 _MISSING = object()
 _LAST_VERSION = re.compile(r'"version"\s*:\s*(\d+)\s*}\s*$')
 MEMORY_BOUND = 10  # what decoding a record holds, at most, in multiples of its size (`decode`)
-
-_DTYPE_NAMES = {name: name for name in DTYPE_SIZES}
-_LAYOUTS = {name: name for name in LAYOUTS}
-_MEMORY_FORMATS = {name: name for name in MEMORY_FORMATS}
+MAX_SIZE = 256 << 20  # `S3Config.max_record_size`'s default
 
 
 def check_record_size(size: int, limit: int, url: str) -> None:
@@ -77,7 +64,7 @@ def check_record_size(size: int, limit: int, url: str) -> None:
         )
 
 
-def decode(data: bytes, *, url: str) -> Checkpoint:
+def decode(data: bytes, *, url: str, max_size: int = MAX_SIZE) -> Checkpoint:
     """Parse and validate a commit record; any defect is a MetadataError naming ``url`` and why.
 
     The result is the format's own model: no torch is imported until a load asks for DCP's
@@ -88,13 +75,20 @@ def decode(data: bytes, *, url: str) -> Checkpoint:
     s3ckpt's own records take 3-4 times. ``json.loads`` of the whole record held up to 30 times
     its text for valid, dense JSON (``[0]``: 4 bytes of text, 100 of objects), so the record is
     read a value at a time (`jsonstream.Reader`): the state dict entry by entry (and a large
-    entry chunk by chunk), every other value from a slice of at most `_SMALL_VALUE` bytes, each
+    entry chunk by chunk), every other value from a slice of at most `SMALL_VALUE` bytes, each
     turned into the model as it is read; ``planner_data`` is checked and kept as its text until
     it is asked for. The densest valid content measured (one-element chunks; objects
-    holding one byte each) takes under 8 times its text."""
+    holding one byte each) takes under 8 times its text.
+
+    A version-3 record's item table (`table`) is compressed: its inflated size, which the state
+    dict's entries fix, must be at most ``max_size`` (``S3Config.max_record_size``, the bound
+    on the record's own size), checked before any of it is inflated; the bound above is then of
+    the record's size plus that inflated size (40 bytes a chunk of one dimension, 56 of two).
+    The densest table measured, 300,000 one-element chunks in shuffled order (a tuple each in
+    the checks), took under 6 times that."""
     try:
         with gc_paused():
-            return _decode_record(data, url)
+            return _decode_record(data, url, max_size)
     except Invalid as exc:
         raise MetadataError(f"{url}: {exc}", url=url) from None
     except RecursionError:
@@ -107,7 +101,7 @@ def decode_planner_data(text: str) -> Any:
         return _read_planner_data(Reader(text, "planner_data"), keep=True)
 
 
-def _decode_record(data: bytes, url: str) -> Checkpoint:
+def _decode_record(data: bytes, url: str, max_size: int) -> Checkpoint:
     if not isinstance(data, (bytes, bytearray, memoryview)):
         fail(f"commit record must be bytes, got {type(data).__name__}")
     if bytes(data[:1]) == b"\x80":
@@ -121,7 +115,7 @@ def _decode_record(data: bytes, url: str) -> Checkpoint:
         fail(f"commit record is not UTF-8 text (garbled?): {exc}")
     reader = Reader(text, "commit record")
     if reader.peek() != "{":
-        as_dict(reader.value("", _SMALL_VALUE), "commit record")
+        as_dict(reader.value("", SMALL_VALUE), "commit record")
     record: dict[str, Any] = {}
     try:
         named = _read_members(reader, record)
@@ -149,12 +143,16 @@ def _decode_record(data: bytes, url: str) -> Checkpoint:
         if version < 2 and is_reference(key):
             fail(f"objects: {key!r} references another checkpoint, which version 1 cannot")
         as_count(size, f"objects[{key!r}]")
-    # s3ckpt lists the objects its items are in, no others: a record listing more costs a
-    # frame table each, however little text it takes to list one.
-    state_dict: dict[str, Entry] = get_field(record, "state_dict", "")
-    unnamed = next((key for key in objects if key not in named), None)
-    if unnamed is not None:
-        fail(f"objects: {unnamed!r} holds none of the state dict's items")
+    state_dict: dict[str, Entry | Pending] = get_field(record, "state_dict", "")
+    if version < 3:
+        if "items" in record:
+            fail("items: an item table in a record of version 1 or 2")
+        entries = resolve_inline(state_dict, named)
+        # s3ckpt lists the objects its items are in, no others: a record listing more costs a
+        # frame table each, however little text it takes to list one.
+        unnamed = next((key for key in objects if key not in named), None)
+        if unnamed is not None:
+            fail(f"objects: {unnamed!r} holds none of the state dict's items")
 
     frames: dict[str, FrameTable] = {}
     tables = as_dict(get_field(record, "frames", ""), "frames")
@@ -172,7 +170,13 @@ def _decode_record(data: bytes, url: str) -> Checkpoint:
     storage_meta = _decode_storage_meta(get_field(record, "storage_meta", ""))
     planner_data = get_field(record, "planner_data", "")
 
-    _check_locators(state_dict, frames)
+    if version < 3:
+        check_inline_locators(entries, frames)
+    else:
+        names = sorted(objects)
+        raw_sizes = [frames[key].raw_size for key in names]
+        items = get_field(record, "items", "")
+        entries = resolve_table(state_dict, items, names, raw_sizes, max_size)
 
     return Checkpoint(
         save_id=save_id,
@@ -180,11 +184,13 @@ def _decode_record(data: bytes, url: str) -> Checkpoint:
         objects=objects,
         extra=extra,
         frames=frames,
-        entries=state_dict,
+        entries=entries,
         planner_source=planner_data,
         storage_meta=storage_meta,
         dcp_version=dcp_version,
         url=url,
+        record_size=len(data),
+        version=version,
     )
 
 
@@ -196,11 +202,19 @@ def _read_members(reader: Reader, record: dict[str, Any]) -> dict[str, str]:
     for name in reader.members(""):
         start = reader.pos
         if name == "state_dict":
-            record[name] = _read_state_dict(reader, named)
+            record[name] = read_state_dict(reader, named)
         elif name == "objects":
             record[name] = _read_objects(reader)
         elif name == "frames":
             record[name] = _read_frames(reader)
+        elif name == "items":
+            record[name] = (
+                reader.value(name, SMALL_VALUE)
+                if reader.peek() != "{"
+                else {
+                    key: reader.value(f"items.{key}", SMALL_VALUE) for key in reader.members(name)
+                }
+            )
         elif name == "planner_data":
             _read_planner_data(reader, keep=False)
             record[name] = reader.text[start : reader.pos]
@@ -239,10 +253,10 @@ def _last_version(text: str) -> Any:
 def _read_objects(reader: Reader) -> Any:
     """``objects``, member by member (a value that is not an object is refused by the caller)."""
     if reader.peek() != "{":
-        return reader.value("objects", _SMALL_VALUE)
+        return reader.value("objects", SMALL_VALUE)
     objects: dict[str, Any] = {}
     for key in reader.members("objects", into=objects):
-        objects[key] = reader.value(f"objects[{key!r}]", _SMALL_VALUE)
+        objects[key] = reader.value(f"objects[{key!r}]", SMALL_VALUE)
     return objects
 
 
@@ -250,15 +264,15 @@ def _read_frames(reader: Reader) -> Any:
     """``frames``, each table checked and kept packed as it is read (`FrameTable.parse_json`)
     until the objects' sizes are known; a long table's base64 needs no slice of its own."""
     if reader.peek() != "{":
-        return reader.value("frames", _SMALL_VALUE)
+        return reader.value("frames", SMALL_VALUE)
     tables: dict[str, tuple[int, bytes, int | None]] = {}
     for key in reader.members("frames", into=tables):
         where = f"frames[{key!r}]"
         table = (
-            reader.value(where, _SMALL_VALUE)
+            reader.value(where, SMALL_VALUE)
             if reader.peek() != "{"
             else {
-                name: reader.value(f"{where}[{name!r}]", _SMALL_VALUE)
+                name: reader.value(f"{where}[{name!r}]", SMALL_VALUE)
                 for name in reader.members(where)
             }
         )
@@ -278,126 +292,10 @@ def _read_planner_data(reader: Reader, *, keep: bool) -> Any:
     kept: dict[str, Any] = {}
     for key in reader.members("planner_data"):
         where = f"planner_data[{key!r}]"
-        value = _from_json(reader.value(where, _SMALL_VALUE), where)
+        value = _from_json(reader.value(where, SMALL_VALUE), where)
         if keep:
             kept[key] = value
     return kept
-
-
-def _read_state_dict(reader: Reader, keys: dict[str, str]) -> dict[str, Entry]:
-    """The state dict, decoded entry by entry as it is read: a small entry (most are) in one
-    scan, a larger one (many chunks) member by member and chunk by chunk."""
-    entries: dict[str, Entry] = {}
-    for fqn in reader.members("state_dict", into=entries):
-        where = f"state_dict[{fqn!r}]"
-        small = reader.small()
-        if small is not None:
-            fields = as_dict(small, where)
-            listed = fields.pop("chunks", None)
-            chunks = None
-            if listed is not None:
-                at = joined(where, "chunks")
-                chunks = [_chunk(c, f"{at}[{i}]", keys) for i, c in enumerate(as_list(listed, at))]
-        else:
-            fields, chunks = {}, None
-            for name in reader.members(where):
-                if name == "chunks":
-                    chunks = _read_chunks(reader, where, keys)
-                else:
-                    fields[name] = reader.value(joined(where, name), _SMALL_VALUE)
-        entries[fqn] = _decode_entry(fields, chunks, where, keys)
-    return entries
-
-
-def _decode_entry(
-    fields: dict[str, Any], chunks: list[Chunk] | None, where: str, keys: dict[str, str]
-) -> Entry:
-    kind = get_field(fields, "type", where)
-    if kind == "bytes":
-        return BytesEntry(_decode_locator(fields, where, keys))
-    if kind == "tensor":
-        if chunks is None:
-            get_field(fields, "chunks", where)  # fails: missing
-        return _decode_tensor(fields, chunks or [], where)
-    fail(f"{where}.type: expected 'tensor' or 'bytes', got {show(kind)}")
-
-
-def _read_chunks(reader: Reader, where: str, keys: dict[str, str]) -> list[Chunk]:
-    """A tensor's chunks, read one at a time."""
-    at = joined(where, "chunks")
-    return [
-        _chunk(reader.value(f"{at}[{i}]", _SMALL_VALUE), f"{at}[{i}]", keys)
-        for i in reader.items(at)
-    ]
-
-
-def _chunk(value: Any, at: str, keys: dict[str, str]) -> Chunk:
-    """A chunk checked on its own; how the chunks fit their tensor is `_decode_tensor`'s (the
-    tensor's size and dtype may come after them)."""
-    chunk = as_dict(value, at)
-    offsets = tuple(as_counts(get_field(chunk, "offsets", at), at, "offsets"))
-    sizes = tuple(as_counts(get_field(chunk, "sizes", at), at, "sizes"))
-    digest = chunk.get("xxh3")
-    if digest is not None and not is_digest(digest):
-        fail(f"{at}.xxh3: expected 32 hex digits, got {show(digest)}")
-    return Chunk(offsets, sizes, _decode_locator(chunk, at, keys), digest)
-
-
-def _decode_tensor(entry: dict[str, Any], chunks: list[Chunk], where: str) -> TensorEntry:
-    dtype: str = lookup(_DTYPE_NAMES, get_field(entry, "dtype", where), where, "dtype")
-    layout: str = lookup(_LAYOUTS, get_field(entry, "layout", where), where, "layout")
-    memory_format: str = lookup(
-        _MEMORY_FORMATS, get_field(entry, "memory_format", where), where, "memory_format"
-    )
-    requires_grad = as_bool(get_field(entry, "requires_grad", where), where, "requires_grad")
-    pin_memory = as_bool(get_field(entry, "pin_memory", where), where, "pin_memory")
-    size = as_counts(get_field(entry, "size", where), where, "size")
-    itemsize = DTYPE_SIZES[dtype]
-    boxes: list[Box] = []
-    starts: set[tuple[int, ...]] = set()
-    volume = 0
-    for position, chunk in enumerate(chunks):
-        at = f"{where}.chunks[{position}]"
-        check_chunk(chunk.offsets, chunk.sizes, size, at)
-        if chunk.offsets in starts:
-            fail(f"{at}: two chunks start at offsets {list(chunk.offsets)}")
-        starts.add(chunk.offsets)
-        count = check_extent(chunk.locator.length, chunk.sizes, itemsize, dtype, at)
-        if count:
-            boxes.append((position, chunk.offsets, chunk.sizes))
-        volume += count
-    check_tiling(size, volume, boxes, where)
-    return TensorEntry(dtype, size, layout, memory_format, requires_grad, pin_memory, chunks)
-
-
-def _decode_locator(entry: dict[str, Any], where: str, keys: dict[str, str]) -> Locator:
-    """A locator's fields; whether its object exists and holds its bytes is `_check_locators`'
-    (the objects may come after the state dict)."""
-    raw = as_dict(get_field(entry, "locator", where), where, "locator")
-    if "key" not in raw or "offset" not in raw or "length" not in raw:
-        fail(f"{where}.locator: expected key, offset and length, got {show(raw)}")
-    key, offset, length = raw["key"], raw["offset"], raw["length"]
-    if type(offset) is not int or type(length) is not int:  # bool, float, str
-        as_count(offset, joined(where, "locator"), "offset")
-        as_count(length, joined(where, "locator"), "length")
-    return Locator(keys.setdefault(key, key) if isinstance(key, str) else key, offset, length)
-
-
-def _check_locators(state_dict: dict[str, Entry], frames: Mapping[str, FrameTable]) -> None:
-    """Every locator names a listed object and lies inside its raw bytes (spelt out by
-    `check_locator` only for one that does not: saying where each one is would double the time
-    of a decode)."""
-    for fqn, entry in state_dict.items():
-        bytes_entry = isinstance(entry, BytesEntry)
-        locators = (
-            [entry.locator] if isinstance(entry, BytesEntry) else [c.locator for c in entry.chunks]
-        )
-        for position, locator in enumerate(locators):
-            table = frames.get(locator.key) if isinstance(locator.key, str) else None
-            if table is None or not 0 <= locator.offset <= table.raw_size - locator.length:
-                where = f"state_dict[{fqn!r}]" + ("" if bytes_entry else f".chunks[{position}]")
-                raw_sizes = {key: table.raw_size for key, table in frames.items()}
-                check_locator(locator, raw_sizes, where, "locator")
 
 
 def _decode_storage_meta(value: Any) -> StorageInfo | None:

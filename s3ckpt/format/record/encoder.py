@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import (
 from ...errors import MetadataError
 from ..frames import FrameTable
 from ..jsoncheck import Invalid, all_counts, fail, is_count, joined, show
-from ..layout import is_reference
+from . import table
 from .model import (
     FORMAT,
     FORMAT_VERSION,
@@ -69,7 +69,7 @@ def encode(
                 metadata, locators, save_id, created, raw_sizes, extra, digests or {}
             )
             record["objects"] = dict(objects)
-            record["frames"] = {key: table.to_json() for key, table in frames.items()}
+            record["frames"] = {key: frame.to_json() for key, frame in frames.items()}
             text = json.dumps(
                 record, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
             )
@@ -112,9 +112,11 @@ def _encode_record(
             fail(f"objects[{key!r}]: expected a size in bytes, got {show(size)}")
         object_sizes[key] = size
 
+    names = sorted(object_sizes)
+    columns = _Columns({key: i for i, key in enumerate(names)})
     used: set[MetadataIndex] = set()
 
-    def locate(index: MetadataIndex, where: str) -> dict[str, Any]:
+    def locate(index: MetadataIndex, where: str) -> Locator:
         locator = locators.get(index)
         if locator is None:
             fail(f"{where}: no locator for this item (every chunk and bytes item needs one)")
@@ -122,17 +124,20 @@ def _encode_record(
             fail(f"{where}: expected a Locator, got {type(locator).__name__}")
         check_locator(locator, object_sizes, where)
         used.add(index)
-        return {"key": locator.key, "offset": locator.offset, "length": locator.length}
+        return locator
 
+    items = metadata.state_dict_metadata
+    unnamed = next((fqn for fqn in items if not isinstance(fqn, str)), None)
+    if unnamed is not None:
+        fail(f"state_dict[{unnamed!r}]: fqn must be a str")
     state_dict: dict[str, Any] = {}
-    for fqn, item in metadata.state_dict_metadata.items():
-        where = f"state_dict[{fqn!r}]"
-        if not isinstance(fqn, str):
-            fail(f"{where}: fqn must be a str")
+    for fqn in sorted(items):  # the table's rows are in the order of the sorted JSON's names
+        item, where = items[fqn], f"state_dict[{fqn!r}]"
         if isinstance(item, TensorStorageMetadata):
-            state_dict[fqn] = _encode_tensor(fqn, item, locate, digests, where)
+            state_dict[fqn] = _encode_tensor(fqn, item, locate, columns, digests, where)
         elif isinstance(item, BytesStorageMetadata):
-            state_dict[fqn] = {"type": "bytes", "locator": locate(MetadataIndex(fqn), where)}
+            columns.add(locate(MetadataIndex(fqn), where), None)
+            state_dict[fqn] = {"type": "bytes"}
         else:
             fail(f"{where}: unsupported storage metadata {type(item).__name__}")
 
@@ -140,13 +145,13 @@ def _encode_record(
     if unused:
         shown = ", ".join(f"({i.fqn!r}, {show(i.offset)})" for i in unused[:3])
         fail(f"{len(unused)} locator(s) match no item in the metadata, e.g. {shown}")
+    idle = set(range(len(names))) - set(columns.keys)
+    if idle:
+        fail(f"objects: {names[min(idle)]!r} holds none of the state dict's items")
 
-    # Records of incremental saves (digests, references) need a reader, and a remover, that
-    # knows references: an older s3ckpt would delete a base's objects that others reference.
-    incremental = bool(digests) or any(is_reference(key) for key in object_sizes)
     return {
         "format": FORMAT,
-        "version": FORMAT_VERSION if incremental else 1,
+        "version": FORMAT_VERSION,
         "save_id": save_id,
         "created": float(created),
         "dcp_version": metadata.version,
@@ -155,13 +160,44 @@ def _encode_record(
         "storage_meta": _encode_storage_meta(metadata.storage_meta),
         "planner_data": _to_json(metadata.planner_data, "planner_data", tag_tuples=True, depth=0),
         "state_dict": state_dict,
+        "items": columns.pack(),
     }
+
+
+class _Columns:
+    """The item table's columns, a row per item as `_encode_record` visits them."""
+
+    def __init__(self, index: dict[str, int]) -> None:
+        self.index = index
+        self.keys: list[int] = []
+        self.offsets: list[int] = []
+        self.lengths: list[int] = []
+        self.chunk_offsets: list[int] = []
+        self.chunk_sizes: list[int] = []
+        self.digests: list[str | None] = []
+
+    def add(self, locator: Locator, digest: str | None) -> None:
+        self.keys.append(self.index[locator.key])
+        self.offsets.append(locator.offset)
+        self.lengths.append(locator.length)
+        self.digests.append(digest)
+
+    def pack(self) -> dict[str, Any]:
+        return table.pack(
+            self.keys,
+            self.offsets,
+            self.lengths,
+            self.chunk_offsets,
+            self.chunk_sizes,
+            self.digests,
+        )
 
 
 def _encode_tensor(
     fqn: str,
     item: TensorStorageMetadata,
-    locate: Callable[[MetadataIndex, str], dict[str, Any]],
+    locate: Callable[[MetadataIndex, str], Locator],
+    columns: _Columns,
     digests: Mapping[MetadataIndex, str],
     where: str,
 ) -> dict[str, Any]:
@@ -176,10 +212,11 @@ def _encode_tensor(
     if memory_format is None:
         fail(f"{where}: memory format {props.memory_format} is not supported")
     size = _encode_counts(item.size, where, "size")
-    chunks: list[dict[str, Any]] = []
     seen: set[tuple[int, ...]] = set()
     boxes: list[Box] = []
     volume = 0
+    chunk_offsets: list[list[int]] = []
+    chunk_sizes: list[list[int]] = []
     for position, chunk in enumerate(item.chunks):
         at = f"{where}.chunks[{position}]"
         offsets = _encode_counts(chunk.offsets, at, "offsets")
@@ -190,18 +227,20 @@ def _encode_tensor(
         seen.add(tuple(offsets))
         index = MetadataIndex(fqn, offsets)
         locator = locate(index, at)
-        count = check_extent(locator["length"], sizes, props.dtype.itemsize, dtype, at)
+        count = check_extent(locator.length, sizes, props.dtype.itemsize, dtype, at)
         if count:
             boxes.append((position, offsets, sizes))
         volume += count
-        encoded = {"offsets": offsets, "sizes": sizes, "locator": locator}
         digest = digests.get(index)
-        if digest is not None:
-            if not is_digest(digest):
-                fail(f"{at}: digest {show(digest)} is not 32 hex digits")
-            encoded["xxh3"] = digest
-        chunks.append(encoded)
+        if digest is not None and not is_digest(digest):
+            fail(f"{at}: digest {show(digest)} is not 32 hex digits")
+        columns.add(locator, digest)
+        chunk_offsets.append(offsets)
+        chunk_sizes.append(sizes)
     check_tiling(size, volume, boxes, where)
+    for dim in range(len(size)):  # dimension by dimension, chunk by chunk
+        columns.chunk_offsets.extend(offsets[dim] for offsets in chunk_offsets)
+        columns.chunk_sizes.extend(sizes[dim] for sizes in chunk_sizes)
     return {
         "type": "tensor",
         "dtype": dtype,
@@ -210,7 +249,7 @@ def _encode_tensor(
         "memory_format": memory_format,
         "requires_grad": bool(props.requires_grad),
         "pin_memory": bool(props.pin_memory),
-        "chunks": chunks,
+        "chunks": len(chunk_offsets),
     }
 
 

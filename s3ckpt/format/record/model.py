@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -24,9 +24,9 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 FORMAT = "s3ckpt"
-# Version 2 added references to siblings' objects and chunk digests (incremental saves); other
-# records are still written as version 1, which older readers load.
-FORMAT_VERSION = 2
+# Version 2 added references to siblings' objects and chunk digests (incremental saves); version 3
+# moved every locator, chunk and digest into one compressed table (`table`). All are read.
+FORMAT_VERSION = 3
 
 TUPLE_TAG = "__tuple__"
 
@@ -95,7 +95,8 @@ class Chunk:
 
 @dataclass(frozen=True, slots=True)
 class TensorEntry:
-    """A tensor as the record describes it; names are keys of the tables above."""
+    """A tensor as the record describes it; names are keys of the tables above. ``chunks`` is
+    a list, or (version 3) a `table.ChunkList` that makes each chunk when it is asked for."""
 
     dtype: str
     size: list[int]
@@ -103,7 +104,7 @@ class TensorEntry:
     memory_format: str
     requires_grad: bool
     pin_memory: bool
-    chunks: list[Chunk]
+    chunks: Sequence[Chunk]
 
     @property
     def nbytes(self) -> int:
@@ -150,6 +151,8 @@ class Checkpoint:
     storage_meta: StorageInfo | None
     dcp_version: str | None
     url: str  # of the record, for errors raised when DCP's types are built
+    record_size: int = 0  # the record's bytes, as stored
+    version: int = FORMAT_VERSION  # the record's format version
 
     @cached_property
     def planner_data(self) -> Any:

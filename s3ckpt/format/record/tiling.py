@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from itertools import compress
+from operator import add
 
 from ..jsoncheck import fail
 
@@ -73,15 +75,9 @@ def _is_grid(size: Sequence[int], boxes: list[Box]) -> bool:
     Each chunk is then one cell of that grid, and distinct offsets make distinct cells, which
     cannot overlap.
     """
-    for dim, extent in enumerate(size):
-        at = 0
-        for start, length in sorted({(offsets[dim], sizes[dim]) for _, offsets, sizes in boxes}):
-            if start != at:
-                return False
-            at += length
-        if at != extent:
-            return False
-    return True
+    offsets = list(zip(*(offsets for _, offsets, _ in boxes), strict=True))
+    sizes = list(zip(*(sizes for _, _, sizes in boxes), strict=True))
+    return _is_grid_columns(size, offsets, sizes)
 
 
 def _check_disjoint(boxes: list[Box], where: str) -> None:
@@ -103,3 +99,44 @@ def _check_disjoint(boxes: list[Box], where: str) -> None:
             ):
                 fail(f"{where}: chunks {other} and {position} overlap")
         open_boxes.append(box)
+
+
+def check_tiling_columns(
+    size: Sequence[int],
+    offsets: Sequence[Sequence[int]],
+    sizes: Sequence[Sequence[int]],
+    counts: list[int],
+    where: str,
+) -> None:
+    """`check_tiling` of chunks given as columns (``offsets[d][i]``: chunk i's offset in
+    dimension d) with their element counts: the grid test runs on the columns, and the boxes of
+    the overlap sweep are made only for a layout that is not a grid."""
+    numel = math.prod(size)
+    volume = sum(counts)
+    if volume != numel:
+        how = "leave a gap" if volume < numel else "overlap"
+        fail(f"{where}: its chunks hold {volume} elements, the tensor {numel}: they {how}")
+    if 0 in counts:
+        keep = [bool(count) for count in counts]
+        offsets = [list(compress(column, keep)) for column in offsets]
+        sizes = [list(compress(column, keep)) for column in sizes]
+    if sum(map(bool, counts)) < 2 or _is_grid_columns(size, offsets, sizes):
+        return
+    positions = [i for i, count in enumerate(counts) if count]
+    _check_disjoint(
+        list(zip(positions, zip(*offsets, strict=False), zip(*sizes, strict=False), strict=True)),
+        where,
+    )
+
+
+def _is_grid_columns(
+    size: Sequence[int], offsets: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
+) -> bool:
+    """`_is_grid` on columns: in each dimension, the distinct (start, length) pairs, sorted,
+    must each start where the one before ends, from 0 to the tensor's extent."""
+    for extent, column, lengths in zip(size, offsets, sizes, strict=True):
+        starts, steps = zip(*sorted(set(zip(column, lengths, strict=True))), strict=True)
+        ends = list(map(add, starts, steps))
+        if starts[0] != 0 or ends[-1] != extent or list(starts[1:]) != ends[:-1]:
+            return False
+    return True

@@ -18,7 +18,16 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ...errors import MetadataError
-from .model import DTYPE_SIZES, LAYOUTS, MEMORY_FORMATS, Checkpoint, Locator, TensorEntry
+from .model import (
+    DTYPE_SIZES,
+    LAYOUTS,
+    MEMORY_FORMATS,
+    Checkpoint,
+    Locator,
+    TensorEntry,
+    gc_paused,
+)
+from .table import ChunkList
 
 _T = TypeVar("_T")
 
@@ -45,6 +54,11 @@ def to_dcp(checkpoint: Checkpoint) -> tuple[Metadata, dict[MetadataIndex, Locato
     """DCP's ``Metadata`` of a decoded record, and its locators by DCP's index (also its
     ``storage_data``). The record is valid already; only a name this torch lacks (a dtype newer
     than it) can fail, as a MetadataError naming the record."""
+    with gc_paused():  # millions of acyclic objects, as in `decode`
+        return _to_dcp(checkpoint)
+
+
+def _to_dcp(checkpoint: Checkpoint) -> tuple[Metadata, dict[MetadataIndex, Locator]]:
     locators: dict[MetadataIndex, Locator] = {}
     state_dict: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
     for fqn, entry in checkpoint.entries.items():
@@ -83,11 +97,16 @@ def _tensor(
         pin_memory=entry.pin_memory,
     )
     chunks: list[ChunkStorageMetadata] = []
-    for position, chunk in enumerate(entry.chunks):
-        locators[MetadataIndex(fqn, chunk.offsets, position)] = chunk.locator
-        chunks.append(
-            ChunkStorageMetadata(offsets=torch.Size(chunk.offsets), sizes=torch.Size(chunk.sizes))
-        )
+    stored = entry.chunks
+    rows = (
+        stored.located()
+        if isinstance(stored, ChunkList)
+        else ((chunk.offsets, chunk.sizes, chunk.locator) for chunk in stored)
+    )
+    for position, (offsets, sizes, locator) in enumerate(rows):
+        start = torch.Size(offsets)
+        locators[MetadataIndex(fqn, start, position)] = locator
+        chunks.append(ChunkStorageMetadata(offsets=start, sizes=torch.Size(sizes)))
     return TensorStorageMetadata(properties=properties, size=torch.Size(entry.size), chunks=chunks)
 
 

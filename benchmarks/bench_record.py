@@ -1,0 +1,231 @@
+"""The commit record per chunk: bytes, encode and decode, version 3 (item table) against the
+inline JSON of versions 1 and 2.
+
+``python -m benchmarks.bench_record [--chunks 10000 100000 1000000] [--ranks 128]``. No server:
+the record of an FSDP-style save (every tensor ``Shard(0)`` over ``--ranks`` ranks, one chunk
+per rank, 4 objects per rank, bfloat16) is built as DCP hands it to the writer and encoded by
+today's encoder and by the last one that wrote versions 1-2 (loaded from git, commit
+`OLD_ENCODER`; without git the old shape comes from `tests.recordshapes.inline` and its encode
+is not timed), then decoded. Times are CPU seconds of this process (the machine may be shared),
+the best of ``--repeat``. "extra chunk" columns are the growth from half the ranks to all of
+them, the tensors staying (as docs/scaling.md counts a chunk); "to DCP" is building DCP's
+``Metadata`` from the decoded record (`Checkpoint.metadata`), which a load does next. Writes
+``benchmarks/results/record.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import random
+import subprocess
+import sys
+import time
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from benchmarks.common import RESULTS, ROOT, format_table, machine_info
+from s3ckpt.format.frames import FrameTable
+from s3ckpt.format.record import Locator, decode, encode
+from s3ckpt.format.record.torchmeta import to_dcp
+from tests.recordshapes import inline
+
+OLD_ENCODER = "2234e1b"  # the last commit whose encoder wrote versions 1 and 2
+URL = "s3://b/p/.metadata"
+_OBJECTS_PER_RANK = 4
+_FRAME = 4 << 20
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_record", description=__doc__)
+    p.add_argument("--chunks", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
+    p.add_argument("--ranks", type=int, default=128, help="chunks per tensor")
+    p.add_argument("--repeat", type=int, default=3, help="timings per step; the best counts")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--uneven",
+        action="store_true",
+        help="rows that do not divide by the ranks, shards packed in each rank's own order",
+    )
+    p.add_argument("--json", type=Path, default=RESULTS / "record.json")
+    return p.parse_args(argv)
+
+
+Encoder = Callable[..., bytes]
+
+
+def old_encoder() -> Encoder | None:
+    """`encode` as of `OLD_ENCODER`, which wrote the inline shape; None without git."""
+    path = "s3ckpt/format/record/encoder.py"
+    try:
+        shown = subprocess.run(
+            ["git", "show", f"{OLD_ENCODER}:{path}"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    module = types.ModuleType("s3ckpt.format.record.encoder_v2")
+    module.__package__ = "s3ckpt.format.record"
+    exec(compile(shown.stdout, f"{OLD_ENCODER}:{path}", "exec"), module.__dict__)
+    found: Encoder = module.encode
+    return found
+
+
+def fsdp_record(
+    tensors: int, ranks: int, seed: int, uneven: bool = False
+) -> Callable[[Encoder], bytes]:
+    """What `S3Writer.finish` encodes for ``tensors`` tensors sharded over ``ranks`` ranks. With
+    ``uneven``, rows do not divide by the ranks (the first ranks hold one more), each rank
+    packs its shards in an order of its own, and some are 64-byte aligned (gaps)."""
+    rng = random.Random(seed)
+    state: dict[str, TensorStorageMetadata] = {}
+    shards: list[tuple[int, str, int, list[int], int, int]] = []  # t, fqn, rank, offsets, ...
+    names = [f"data-4f1c2a9e/{r:05d}-{o:03d}" for r in range(ranks) for o in range(4)]
+    props = TensorProperties(dtype=torch.bfloat16)
+    for t in range(tensors):
+        rows, cols = rng.choice((1, 2, 4, 8, 16)), rng.choice((1024, 4096, 8192))
+        total = rng.randint(ranks, 16 * ranks) if uneven else rows * ranks
+        fqn = f"model.layers.{t // 10}.block.{t % 10}.weight"
+        chunks, at = [], 0
+        for rank in range(ranks):
+            held = total // ranks + (rank < total % ranks)
+            chunks.append(ChunkStorageMetadata(torch.Size([at, 0]), torch.Size([held, cols])))
+            shards.append((t, fqn, rank, [at, 0], held, cols))
+            at += held
+        state[fqn] = TensorStorageMetadata(props, torch.Size([total, cols]), chunks)
+    if uneven:
+        rng.shuffle(shards)  # each rank's shards in an order of its own
+    locators: dict[MetadataIndex, Locator] = {}
+    ends = [0] * (ranks * _OBJECTS_PER_RANK)
+    for t, fqn, rank, offsets, rows, cols in shards:
+        obj = rank * _OBJECTS_PER_RANK + t * _OBJECTS_PER_RANK // tensors
+        if uneven and rng.random() < 0.3:
+            ends[obj] += -ends[obj] % 64
+        length = rows * cols * 2
+        locators[MetadataIndex(fqn, offsets)] = Locator(names[obj], ends[obj], length)
+        ends[obj] += length
+    metadata = Metadata(state_dict_metadata=dict(state), planner_data={})
+    objects = {name: end for name, end in zip(names, ends, strict=True) if end}
+    frames = {name: _frames(size) for name, size in objects.items()}
+
+    def encoded(encoder: Encoder) -> bytes:
+        return encoder(
+            metadata, locators, save_id="s", created=1.7e9, objects=objects, frames=frames
+        )
+
+    return encoded
+
+
+def _frames(size: int) -> FrameTable:
+    count = -(-size // _FRAME)
+    sizes = [min(_FRAME, size - i * _FRAME) for i in range(count)]
+    return FrameTable(_FRAME, sizes, [0] * count, bytes(count), size)
+
+
+def cpu(step: Callable[[], Any], repeat: int) -> tuple[float, Any]:
+    best, out = float("inf"), None
+    for _ in range(repeat):
+        out = None
+        started = time.process_time()
+        out = step()
+        best = min(best, time.process_time() - started)
+    return best, out
+
+
+def point(args: argparse.Namespace, chunks: int, old: Encoder | None) -> dict[str, Any]:
+    ranks, repeat, seed = args.ranks, args.repeat, args.seed
+    tensors = max(1, chunks // ranks)
+    out: dict[str, Any] = {"chunks": tensors * ranks, "tensors": tensors, "ranks": ranks}
+    extra = tensors * (ranks - ranks // 2)
+    sizes = {"all": ranks, "half": ranks // 2}
+    for shape, encoder in (("v3", encode), ("inline", old)):
+        measured: dict[str, dict[str, float | None]] = {}
+        for name, world in sizes.items():
+            record = fsdp_record(tensors, world, seed, args.uneven)
+            encode_s, data = (
+                cpu(functools.partial(record, encoder), repeat)
+                if encoder is not None
+                else (None, inline(record(encode)))
+            )
+            decode_s, checkpoint = cpu(functools.partial(decode, data, url=URL), repeat)
+            dcp_s, _ = cpu(functools.partial(to_dcp, checkpoint), repeat)
+            measured[name] = {"bytes": len(data), "encode": encode_s, "decode": decode_s}
+            measured[name]["to_dcp"] = dcp_s
+            del data, checkpoint
+        full, half = measured["all"], measured["half"]
+        count = tensors * ranks
+        out[shape] = {
+            "bytes": full["bytes"],
+            "bytes_per_chunk": _per(full["bytes"], count),
+            "bytes_per_extra_chunk": _per(_less(full["bytes"], half["bytes"]), extra),
+            **{
+                f"{step}_us_per_chunk": _per(full[step], count, 1e6)
+                for step in ("encode", "decode", "to_dcp")
+            },
+            **{
+                f"{step}_us_per_extra_chunk": _per(_less(full[step], half[step]), extra, 1e6)
+                for step in ("encode", "decode")
+            },
+        }
+    return out
+
+
+def _less(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b
+
+
+def _per(value: float | None, count: int, scale: float = 1.0) -> float | None:
+    return None if value is None else value / count * scale
+
+
+_COLUMNS = {
+    "B": "bytes",
+    "B/chunk": "bytes_per_chunk",
+    "B/extra chunk": "bytes_per_extra_chunk",
+    "encode us": "encode_us_per_chunk",
+    "encode us/extra": "encode_us_per_extra_chunk",
+    "decode us": "decode_us_per_chunk",
+    "decode us/extra": "decode_us_per_extra_chunk",
+    "to DCP us": "to_dcp_us_per_chunk",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    old = old_encoder()
+    results = [point(args, n, old) for n in args.chunks]
+    rows = [
+        [r["chunks"], shape, *(r[shape][key] for key in _COLUMNS.values())]
+        for r in results
+        for shape in ("inline", "v3")
+    ]
+    print(format_table(["chunks", "record", *_COLUMNS], rows))
+    print(
+        "inline: versions 1-2 (encoder of commit "
+        f"{OLD_ENCODER if old else '-, not timed: no git'}); v3: the item table. us: CPU "
+        "microseconds per chunk; /extra: per chunk added from half the ranks to all"
+    )
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    document = {"machine": machine_info(), "args": sys.argv[1:], "results": results}
+    args.json.write_text(json.dumps(document, indent=2))
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
