@@ -8,26 +8,20 @@ is registered: registering every command is part of ``s3ckpt --version`` and ``s
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import dataclasses
-import os
-import secrets
 import sys
 import time
-from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from ..checksums import checksum
-from ..config import MiB, parse_s3_url
-from ..errors import ConfigError, S3CkptError
+from ..config import MiB
+from ..errors import ConfigError
 from .base import EXIT_OK, URL, Bar, Session, arg, command, human_size
 
 if TYPE_CHECKING:
-    from ..engine.contract import ObjectStore, Stats
-    from ..format.readplan import Fetch
+    pass
 
 _MB = 1e6  # throughput in decimal MB/s, as storage vendors quote it
 _TICK_S = 0.2  # how often the upload bar reads the bytes sent so far
@@ -160,145 +154,32 @@ def _mib(text: str) -> int:
     arg("--size", type=_mib, default=256, metavar="MIB", help="object size (default: 256 MiB)"),
 )
 def _bench(session: Session) -> int:
-    from ..engine import bridge
-    from ..engine.store import get_store
+    from ..tools.probe import probe  # the engine (aiohttp, botocore) only when it runs
 
     config, size = session.config, session.args.size * MiB
-    store = get_store(config)
-    token = secrets.token_hex(6)
-    if session.args.url is None:
-        bucket, prefix, temporary = f"s3ckpt-bench-{token}", "", True
-    else:
-        (bucket, prefix), temporary = parse_s3_url(session.args.url), False
-    key = f"{prefix}/s3ckpt-bench-{token}" if prefix else f"s3ckpt-bench-{token}"
-    where = f"s3://{bucket}/{key} at {store.endpoint}"
-    print(f"bench: writing {human_size(size)} to {where}, then reading it back", file=sys.stderr)
-    payload = _Random(os.urandom(size))
-    result = bridge.run(_measure(store, bucket, key, payload, temporary, session.progress))
+    found = probe(session.args.url, size, config, session.progress, announce=_announce)
     settings = {
-        "endpoint": store.endpoint,
+        "endpoint": found.endpoint,
         "part_size": config.part_size,
         "multipart_threshold": config.multipart_threshold,
         "max_concurrency": config.max_concurrency,
         "bytes": size,
-        "object": f"s3://{bucket}/{key}",
+        "object": found.url,
     }
     lines = [
-        f"endpoint:  {store.endpoint}",
+        f"endpoint:  {found.endpoint}",
         f"settings:  part size {human_size(config.part_size)}, max concurrency "
         f"{config.max_concurrency}, multipart threshold {human_size(config.multipart_threshold)}",
     ]
     for name, unit in (("upload", "parts"), ("download", "ranged GETs")):
-        phase = result[name]
+        phase = found.phases[name]
         lines.append(
             f"{name + ':':<10} {human_size(size)} as {phase['requests']} {unit}: "
             f"{phase['seconds']:.2f} s, {phase['mb_per_s']:.1f} MB/s"
         )
-    session.emit({"settings": settings, **result}, "\n".join(lines))
+    session.emit({"settings": settings, **found.phases}, "\n".join(lines))
     return EXIT_OK
 
 
-@dataclass(frozen=True)
-class _Random:
-    """Random bytes (no store can compress or deduplicate them), served as `Payload` views."""
-
-    data: bytes
-
-    @property
-    def size(self) -> int:
-        return len(self.data)
-
-    def views(self, start: int, end: int) -> list[memoryview]:
-        return [memoryview(self.data)[start:end]]
-
-    def read(self, start: int, end: int, scratch: memoryview) -> memoryview:
-        return memoryview(self.data)[start:end]
-
-    def checksum(self, start: int, end: int) -> int:
-        return checksum(memoryview(self.data)[start:end])
-
-
-async def _measure(
-    store: ObjectStore, bucket: str, key: str, payload: _Random, temporary: bool, bars: Bars
-) -> dict[str, dict[str, float]]:
-    """Upload, then read back with one ranged GET per part (as loads do), checking the bytes;
-    ``bars(unit, title)`` shows each phase's progress. The object, and a temporary bucket, are
-    deleted whatever happens."""
-    from ..dcp.reads import run_all
-    from ..format.readplan import Fetch, Target
-
-    step = store.config.part_size
-    ranges = [(at, min(at + step, payload.size)) for at in range(0, payload.size, step)]
-    parts = len(ranges) if payload.size > store.config.multipart_threshold else 1
-    if temporary:
-        await store.create_bucket(bucket)
-    try:
-        with bars("parts", "bench: upload") as bar:
-            started = time.perf_counter()
-            await _watched(
-                store.upload(bucket, key, payload), store.stats, payload.size, parts, bar
-            )
-            upload_s = time.perf_counter() - started
-        sink = memoryview(bytearray(payload.size))
-        plan = [Fetch(key, s, e, [Target(0, key, s, e, sink=sink[s:e])]) for s, e in ranges]
-        with bars("GETs", "bench: download") as bar:
-            started = time.perf_counter()
-            await run_all(store, bucket, plan, {}, _counter(len(plan), payload.size, bar))
-            download_s = time.perf_counter() - started
-        if sink != payload.data:
-            raise S3CkptError(f"s3://{bucket}/{key}: the bytes read back differ from those sent")
-    finally:
-        await asyncio.shield(_clean_up(store, bucket, key, temporary))
-    return {
-        "upload": _phase(payload.size, upload_s, parts),
-        "download": _phase(payload.size, download_s, len(ranges)),
-    }
-
-
-async def _watched(
-    upload: Coroutine[Any, Any, None], stats: Stats, size: int, parts: int, bar: Bar | None
-) -> None:
-    """Run ``upload`` of ``size`` bytes in ``parts``, showing the bytes acknowledged so far on
-    ``bar``: the store reports nothing until the whole object is up, so its byte counter is read
-    every tick (the parts done are estimated from it)."""
-    if bar is None:
-        await upload
-        return
-    base = stats.bytes_sent
-
-    async def tick() -> None:
-        while True:
-            sent = stats.bytes_sent - base
-            bar(sent * parts // size, parts, sent, size)
-            await asyncio.sleep(_TICK_S)
-
-    ticker = asyncio.ensure_future(tick())
-    try:
-        await upload
-    finally:
-        ticker.cancel()
-    bar(parts, parts, size, size)
-
-
-def _counter(fetches: int, size: int, bar: Bar | None) -> Callable[[Fetch], None] | None:
-    """``run_all``'s ``done`` callback counting GETs and bytes into ``bar``."""
-    if bar is None:
-        return None
-    done = [0, 0]
-
-    def count(fetch: Fetch) -> None:
-        done[0] += 1
-        done[1] += fetch.end - fetch.start
-        bar(done[0], fetches, done[1], size)
-
-    return count
-
-
-def _phase(size: int, seconds: float, requests: int) -> dict[str, float]:
-    return {"seconds": seconds, "mb_per_s": size / _MB / seconds, "requests": requests}
-
-
-async def _clean_up(store: ObjectStore, bucket: str, key: str, temporary: bool) -> None:
-    await store.delete(bucket, [key])
-    if temporary:
-        await store.delete_bucket(bucket)
+def _announce(where: str, size: int) -> None:
+    print(f"bench: writing {human_size(size)} to {where}, then reading it back", file=sys.stderr)

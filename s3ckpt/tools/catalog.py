@@ -16,7 +16,7 @@ from ..dcp.prefix import State, read_prefix
 from ..engine import bridge
 from ..engine.contract import ObjectStore, Upload
 from ..engine.store import get_store
-from ..errors import IncompleteCheckpoint
+from ..errors import AccessDenied, BucketNotFound, IncompleteCheckpoint, StorageError
 from ..format.layout import Location
 from ..format.record import Checkpoint
 from . import scan, tree
@@ -39,6 +39,7 @@ __all__ = [
     "highest",
     "latest",
     "list_checkpoints",
+    "make_bucket",
     "prune",
     "read_state",
 ]
@@ -127,3 +128,36 @@ async def _describe(store: ObjectStore, location: Location) -> tuple[CheckpointI
         )
     checkpoint = at.require()
     return scan.found(at).info, checkpoint
+
+
+def make_bucket(bucket: str, config: S3Config | None = None) -> bool:
+    """Create ``bucket`` (``s3ckpt mb``); False if it exists already and these credentials may
+    use it. Raises AccessDenied for a bucket that is someone else's or denied to us."""
+    return bridge.run(_make_bucket(get_store(config), bucket))
+
+
+async def _make_bucket(store: ObjectStore, bucket: str) -> bool:
+    """Create ``bucket``; False if it was there already and ours.
+
+    A one-key listing decides first, not `ObjectStore.check_bucket`, which lets AccessDenied
+    pass (prefix-scoped credentials): a bucket we may not list is someone else's or denied to
+    us, and must not be reported as ready to save to.
+    """
+    try:
+        await store.list_objects(bucket, "", limit=1)
+        return False
+    except BucketNotFound:
+        pass
+    except AccessDenied as e:
+        advice = "it belongs to someone else, or these credentials or a policy do not allow it"
+        raise e.retyped(AccessDenied, f"cannot use bucket s3://{bucket} ({advice}): {e}") from e
+    try:
+        await store.create_bucket(bucket)
+    except StorageError as e:
+        if e.code == "BucketAlreadyOwnedByYou":  # a racing mb, or a listing not yet consistent
+            return False
+        if e.code == "BucketAlreadyExists":
+            taken = f"bucket s3://{bucket} belongs to someone else (names are global): {e}"
+            raise e.retyped(StorageError, taken) from e
+        raise
+    return True
