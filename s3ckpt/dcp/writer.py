@@ -103,6 +103,11 @@ class S3Writer(AtLocation, StorageWriter):
         full_every: with ``incremental``, reference only checkpoints of the same window of
             this many steps, so the first save of each window is full: one lost or damaged
             object then spoils at most one window's checkpoints, not the whole run's.
+
+    Construction does the one-time work of a first save that needs neither the state nor a
+    request: it resolves the configuration (the AWS config files), starts the I/O thread and
+    makes the S3 client with its HTTP session (~0.3 s of CPU), so that a job's first checkpoint
+    does not take that from training. Make the writer before training starts, and keep it.
     """
 
     _synchronize_after_execute = False
@@ -133,6 +138,7 @@ class S3Writer(AtLocation, StorageWriter):
         self._staging = StagingBuffers()
         self._stager_thread: ThreadPoolExecutor | None = None
         self._reset_in: threading.Thread | None = None  # a save that began with `reset`
+        bridge.run(self._store.prepare())
 
     def __getstate__(self) -> dict[str, Any]:
         # PROCESS mode pickles the writer on every save: never ship buffers, threads or locks.
