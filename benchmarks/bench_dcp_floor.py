@@ -136,10 +136,12 @@ def load_main(args: argparse.Namespace) -> int:
     state = build_state(specs, args.seed)
     summary = run_load_floor(state, args.repeat, args.trainer_core, args.server_core).summary()
     headers = ["tensors", "GB", "floor s", "transfer s", "s3ckpt load s", "/ (floor+transfer)"]
-    headers += ["floor µs/t", "s3ckpt µs/t", "s3ckpt CPU s", "raw GET CPU s"]
+    headers += ["floor µs/t", "s3ckpt µs/t", "floor CPU s", "s3ckpt CPU s", "raw GET CPU s"]
+    headers += ["CPU / (floor+GETs)"]
     row = [summary["tensors"], summary["bytes"] / GB, summary["floor_s"], summary["transfer_s"]]
     row += [summary["s3ckpt_load_s"], summary["ratio"], summary["floor_us_per_tensor"]]
-    row += [summary["s3ckpt_us_per_tensor"], summary["s3ckpt_cpu_s"], summary["transfer_cpu_s"]]
+    row += [summary["s3ckpt_us_per_tensor"], summary["floor_cpu_s"], summary["s3ckpt_cpu_s"]]
+    row += [summary["transfer_cpu_s"], summary["cpu_ratio"]]
     print(format_table(headers, [row]))
     path = args.json or RESULTS / "dcp-load-floor.json"
     path.parent.mkdir(parents=True, exist_ok=True)

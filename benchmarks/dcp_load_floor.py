@@ -146,6 +146,7 @@ class LoadFloor:
     floor_s: list[float]
     s3ckpt_s: list[float]
     transfer_s: list[float]
+    floor_cpu_s: list[float]
     s3ckpt_cpu_s: list[float]
     transfer_cpu_s: list[float]
 
@@ -159,12 +160,21 @@ class LoadFloor:
             "floor_s": floor,
             "s3ckpt_load_s": load,
             "transfer_s": wire,
+            "floor_cpu_s": median(self.floor_cpu_s),
             "s3ckpt_cpu_s": median(self.s3ckpt_cpu_s),
             "transfer_cpu_s": median(self.transfer_cpu_s),
             "ratio": load / (floor + wire) if floor + wire else None,
+            "cpu_ratio": _ratio(self.s3ckpt_cpu_s, self.floor_cpu_s, self.transfer_cpu_s),
             "floor_us_per_tensor": floor / self.tensors * 1e6,
             "s3ckpt_us_per_tensor": load / self.tensors * 1e6,
         }
+
+
+def _ratio(load: list[float], floor: list[float], wire: list[float]) -> float | None:
+    """s3ckpt's CPU over the floor's plus the raw GETs': the ratio a busy machine's wall
+    times cannot show."""
+    below = (median(floor) or 0.0) + (median(wire) or 0.0)
+    return (median(load) or 0.0) / below if below else None
 
 
 def _blank(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -204,7 +214,7 @@ def run_load_floor(
     memory = MemoryWriter()
     dcp.save(state, storage_writer=memory, no_dist=True)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    result = LoadFloor(len(state), nbytes, [], [], [], [], [])
+    result = LoadFloor(len(state), nbytes, [], [], [], [], [], [])
     with s3_endpoint(None, None, None, None) as ep:
         pin_threads(ep.server_pid, server_core)
         config = ep.config(part_size=S3Config().part_size, max_concurrency=16)
@@ -226,12 +236,12 @@ def run_load_floor(
                 return seconds, cpu_since(before)["cpu_s"]
 
         for rep in range(repeat + 1):
-            floor, _ = _timed_load(state, MemoryReader(memory))
+            floor, floor_cpu = _timed_load(state, MemoryReader(memory))
             load, load_cpu = _timed_load(state, S3Reader(bucket, "small", config=config))
             wire, wire_cpu = asyncio.run(transfer())
             print(
-                f"  [{rep}/{repeat}] floor {floor:.2f} s, s3ckpt {load:.2f} s ({load_cpu:.2f} s "
-                f"CPU), transfer {wire:.2f} s ({wire_cpu:.2f} s CPU)"
+                f"  [{rep}/{repeat}] floor {floor:.2f} s ({floor_cpu:.2f} s CPU), s3ckpt "
+                f"{load:.2f} s ({load_cpu:.2f} s CPU), transfer {wire:.2f} s ({wire_cpu:.2f} s CPU)"
                 + (" (warm-up)" if rep == 0 else ""),
                 flush=True,
             )
@@ -239,6 +249,7 @@ def run_load_floor(
                 result.floor_s.append(floor)
                 result.s3ckpt_s.append(load)
                 result.transfer_s.append(wire)
+                result.floor_cpu_s.append(floor_cpu)
                 result.s3ckpt_cpu_s.append(load_cpu)
                 result.transfer_cpu_s.append(wire_cpu)
     return result
