@@ -61,8 +61,10 @@ class CheckpointManager:
             mgr.save(step, state_dict)    # in the background; a no-op unless should_save(step)
         mgr.close()                       # waits for the last save, frees the staging buffers
 
-    Saves go through one `S3Writer` (DCP's stager: its CPU buffers are reused); at most one is
-    in flight, and the next ``save`` that saves waits for it. A background save's error is raised
+    Saves go through one `S3Writer` (DCP's stager: its CPU buffers are reused), made here: its
+    construction makes the S3 client and HTTP session (see `S3Writer`), so build the manager
+    before training starts and the job's first checkpoint does not pay for them. At most one
+    save is in flight, and the next ``save`` that saves waits for it. A background save's error is raised
     by the next ``save()`` or ``wait()`` (``raise_on_failure=False``: logged, and the run goes on).
 
     Retention (``keep_last`` most recent, every ``keep_every``-th step, ``keep(step)`` true; see
