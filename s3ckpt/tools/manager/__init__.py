@@ -64,8 +64,9 @@ class CheckpointManager:
     Saves go through one `S3Writer` (DCP's stager: its CPU buffers are reused), made here: its
     construction makes the S3 client and HTTP session (see `S3Writer`), so build the manager
     before training starts and the job's first checkpoint does not pay for them. At most one
-    save is in flight, and the next ``save`` that saves waits for it. A background save's error is raised
-    by the next ``save()`` or ``wait()`` (``raise_on_failure=False``: logged, and the run goes on).
+    save is in flight, and the next ``save`` that saves waits for it. A background save's error
+    is raised by the next ``save()`` or ``wait()`` (``raise_on_failure=False``: logged, and the
+    run goes on).
 
     Retention (``keep_last`` most recent, every ``keep_every``-th step, ``keep(step)`` true; see
     `Retention`) runs on the coordinator after each commit. It never deletes the newest committed
