@@ -9,6 +9,12 @@ can stall less than the "stall" column. Each workload runs with DCP's logger at 
 
     python -m benchmarks.bench_dcp_floor                       # 2 GiB large, 20,000 small
     python -m benchmarks.bench_dcp_floor --small-count 2000 --size-gib 0.25 --repeat 1
+
+With ``--load``, the load floor instead (`benchmarks.dcp_load_floor`): DCP loading 20,000
+tensors of 4-64 KiB from memory, beside s3ckpt loading them from a local SeaweedFS and the raw
+client's GETs of the same bytes:
+
+    python -m benchmarks.bench_dcp_floor --load --repeat 5
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from s3ckpt.config import MiB
 from s3ckpt.dcp.staging import StagingBuffers
 
 from .common import GB, RESULTS, format_table, machine_info
+from .dcp_load_floor import run_load_floor, uniform_small_specs
 from .peers import workload_specs
 from .workload import build_state, state_bytes
 
@@ -102,7 +109,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--small-count", type=int, default=20_000, help="small workload tensors")
     p.add_argument("--repeat", type=int, default=5, help="timed saves per case; medians")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, default=RESULTS / "dcp-floor.json")
+    p.add_argument("--json", type=Path, help="default: results/dcp-floor.json, -load-floor")
+    p.add_argument("--load", action="store_true", help="the load floor (needs SeaweedFS)")
+    p.add_argument("--load-count", type=int, default=20_000, help="tensors of 4-64 KiB")
+    p.add_argument("--trainer-core", type=int, default=0)
+    p.add_argument("--server-core", type=int, default=1)
     args = p.parse_args(argv)
     if args.size_gib <= 0 or args.small_count < 1 or args.repeat < 1:
         p.error("--size-gib, --small-count and --repeat must be positive")
@@ -120,8 +131,30 @@ def _save(state: dict[str, torch.Tensor], writer: NullWriter, level: int) -> tup
     return stall, time.perf_counter() - started
 
 
+def load_main(args: argparse.Namespace) -> int:
+    specs = uniform_small_specs(args.load_count)
+    state = build_state(specs, args.seed)
+    summary = run_load_floor(state, args.repeat, args.trainer_core, args.server_core).summary()
+    headers = ["tensors", "GB", "floor s", "transfer s", "s3ckpt load s", "/ (floor+transfer)"]
+    headers += ["floor µs/t", "s3ckpt µs/t", "floor CPU s", "s3ckpt CPU s", "raw GET CPU s"]
+    headers += ["CPU / (floor+GETs)"]
+    row = [summary["tensors"], summary["bytes"] / GB, summary["floor_s"], summary["transfer_s"]]
+    row += [summary["s3ckpt_load_s"], summary["ratio"], summary["floor_us_per_tensor"]]
+    row += [summary["s3ckpt_us_per_tensor"], summary["floor_cpu_s"], summary["s3ckpt_cpu_s"]]
+    row += [summary["transfer_cpu_s"], summary["cpu_ratio"]]
+    print(format_table(headers, [row]))
+    path = args.json or RESULTS / "dcp-load-floor.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    report = {"machine": machine_info(), "settings": vars(args) | {"json": str(path)}}
+    path.write_text(json.dumps(report | {"summary": summary}, indent=2) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.load:
+        return load_main(args)
     if not isinstance(NullWriter(), AsyncStager):
         raise RuntimeError("NullWriter is not an AsyncStager for this torch: DCP would stage")
     size = int(args.size_gib * 1024 * MiB)
@@ -158,10 +191,11 @@ def main(argv: list[str] | None = None) -> int:
         run.update(stall_median_s=stall, total_median_s=total)
     headers = ["workload/DCP logging", "tensors", "GB", "stall s", "total s", "after stall µs/t"]
     print(format_table(headers, rows))
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    report = {"machine": machine_info(), "settings": vars(args) | {"json": str(args.json)}}
-    args.json.write_text(json.dumps(report | {"runs": runs}, indent=2) + "\n")
-    print(f"wrote {args.json}")
+    path = args.json or RESULTS / "dcp-floor.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    report = {"machine": machine_info(), "settings": vars(args) | {"json": str(path)}}
+    path.write_text(json.dumps(report | {"runs": runs}, indent=2) + "\n")
+    print(f"wrote {path}")
     return 0
 
 

@@ -10,18 +10,24 @@ bound everything). Modes run interleaved, repetitions of all modes in turn, medi
 - ``thread`` / ``process``: ``dcp.async_save`` with `S3Writer`, THREAD or PROCESS checkpointer;
 - ``thread-nice0``: THREAD with the storage layer's threads at the trainer's priority
   (``S3CKPT_IO_NICE=0``; by default they run at nice +10, see `s3ckpt.engine.bridge`);
+- ``thread-first``: THREAD, a job's first checkpoints: the writer made before training, no
+  save before the timed loop, so the one-time costs (client, buffers, probes) land in it;
+- ``thread-io``: THREAD with the storage layer's threads pinned to the server's core
+  (``S3CKPT_IO_CPUS``): what a spare core would take off the trainer's (here it is the
+  server's, so this measures the trainer's side only);
 - ``raw``: the floor: the same tensors copied into kept CPU buffers and uploaded by a plain
   aiobotocore client from a background thread (no DCP, no checksums, no commit);
 - ``s3torchconnector`` / ``fsspec``: the peers' DCP writers (``S3StorageWriter``, torch's
   ``FsspecWriter`` over s3fs) with ``dcp.async_save`` THREAD, where installed (the peers' venv,
   `benchmarks/requirements-peers.txt`).
 
-Every checkpoint mode saves once before the timed loop (warm buffers and client, as in a long
-job), then checkpoints after steps N, 2N, ... and trains N more steps after the last one before
-waiting for it to be durable, so the last upload overlaps like the others. The loop's wall time
-includes that wait. Blocking is the time spent inside the save call plus waiting for the previous
-save. CPU is the trainer process's and its children's (PROCESS mode's checkpoint process),
-all threads.
+Every checkpoint mode but ``thread-first`` saves once before the timed loop (warm buffers and
+client, as in a long job), then checkpoints after steps N, 2N, ... and trains N more steps after
+the last one before waiting for it to be durable, so the last upload overlaps like the others.
+The loop's wall time includes that wait. Blocking is the time spent inside the save call plus
+waiting for the previous save. CPU is the trainer process's and its children's (PROCESS mode's
+checkpoint process), all threads; the second table splits the trainer process's CPU by thread
+(from /proc/self/task), per GB saved.
 
     python -m benchmarks.bench_training                     # MLP, 4 checkpoints 25 steps apart
     python -m benchmarks.bench_training --model gpt --modes none sync thread
@@ -56,7 +62,8 @@ from .common import (
 )
 
 MODES = (
-    "none", "sync", "thread", "thread-nice0", "process", "raw", "s3torchconnector", "fsspec"
+    "none", "sync", "thread", "thread-first", "thread-io", "thread-nice0", "process", "raw",
+    "s3torchconnector", "fsspec",
 )  # fmt: skip
 _PEER_PACKAGES = {"s3torchconnector": "s3torchconnector", "fsspec": "s3fs"}
 _KEY_ENV, _SECRET_ENV = "S3CKPT_BENCH_ACCESS_KEY", "S3CKPT_BENCH_SECRET_KEY"
@@ -138,6 +145,8 @@ def _child(
     env = os.environ | {_KEY_ENV: endpoint.access_key_id, _SECRET_ENV: endpoint.secret_access_key}
     if mode == "thread-nice0":
         env["S3CKPT_IO_NICE"] = "0"
+    if mode == "thread-io":
+        env["S3CKPT_IO_CPUS"] = str(args.server_core)
     try:
         done = subprocess.run(
             command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800
@@ -187,6 +196,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]
             if background is None or not saved_gb
             else background / saved_gb,
             "in_run_all": [r["in_run_lost_s"] for r in results],
+            "thread_cpu_s_per_gb": _per_thread(results, saved_gb),
             "slowed_s": median([r["slowed_s"] for r in results]),
             "clean_step_s": median([r["clean_step_s"] for r in results]),
             "wall_s": wall,
@@ -204,6 +214,30 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]
             cut = None if lost is None or not sync_lost or sync_lost <= 0 else 1 - lost / sync_lost
             numbers[f"cut_vs_sync{'' if kind == 'lost_s' else '_in_run'}"] = cut
     return out
+
+
+def _per_thread(results: list[dict[str, Any]], saved_gb: float) -> dict[str, float]:
+    """Median CPU seconds per GB saved of each thread of the trainer process (on its core)."""
+    names = {name for r in results for name in r.get("thread_cpu_s", {})}
+    if not saved_gb:
+        return {}
+    return {
+        name: (median([r.get("thread_cpu_s", {}).get(name, 0.0) for r in results]) or 0.0)
+        / saved_gb
+        for name in sorted(names)
+    }
+
+
+def thread_table(summary: dict[str, dict[str, Any]]) -> str:
+    """The trainer core's CPU per GB saved, by thread (the main thread's holds training)."""
+    names = sorted({name for n in summary.values() for name in n["thread_cpu_s_per_gb"]})
+    names = [name for name in names if name != "training (main)"]
+    rows = [
+        [mode, *(n["thread_cpu_s_per_gb"].get(name) for name in names)]
+        for mode, n in summary.items()
+        if n["thread_cpu_s_per_gb"]
+    ]
+    return format_table(["CPU s/GB by thread", *names], rows)
 
 
 def table(summary: dict[str, dict[str, Any]], checkpoints: int) -> str:
@@ -314,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = summarize(runs)
         sweep = _sweep(args, ep, args.sweep) if args.sweep else []
     print(table(summary, args.checkpoints))
+    print(thread_table(summary))
     if sweep:
         rows = [
             [p["interval"], 100 * (p["in_run_fraction"] or 0), p["in_run_lost_s"]] for p in sweep

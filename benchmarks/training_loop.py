@@ -177,6 +177,37 @@ def _thread_cpu() -> tuple[float, float]:
     return main_s, other_s
 
 
+def _tasks() -> dict[int, tuple[str, float]]:
+    """Each live thread's name (Python's, without a pool's ``_N``) and CPU seconds, from
+    /proc/self/task (all on the trainer's core: the process is pinned there)."""
+    names = {t.native_id: t.name.rstrip("0123456789").rstrip("_-") for t in threading.enumerate()}
+    names[threading.main_thread().native_id] = "training (main)"
+    ticks = os.sysconf("SC_CLK_TCK")
+    out: dict[int, tuple[str, float]] = {}
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/stat") as stat:
+            text = stat.read()
+        fields = text[text.rindex(")") + 2 :].split()
+        comm = text[text.index("(") + 1 : text.rindex(")")]
+        out[int(task)] = (names.get(int(task), comm), (int(fields[11]) + int(fields[12])) / ticks)
+    return out
+
+
+def _by_thread(before: dict[int, tuple[str, float]], own_cpu_s: float) -> dict[str, float]:
+    """CPU seconds per thread name since ``before``; threads that ended meanwhile (DCP's
+    executor, for one) are what the process's own CPU holds beyond the live ones."""
+    out: dict[str, float] = {}
+    for tid, (name, seconds) in _tasks().items():
+        spent = seconds - before.get(tid, (name, 0.0))[1]
+        out[name] = out.get(name, 0.0) + spent
+    out["(threads that ended)"] = max(0.0, own_cpu_s - sum(out.values()))
+    return {name: seconds for name, seconds in out.items() if seconds > 0}
+
+
+def _own_cpu_seconds() -> float:
+    return float(sum(psutil.Process().cpu_times()[:2]))
+
+
 def _core_times(core: int) -> dict[str, float]:
     """Seconds the core spent in user, system, softirq and irq (from /proc/stat)."""
     ticks = os.sysconf("SC_CLK_TCK")
@@ -220,7 +251,7 @@ def _timed(
     for _ in range(3):  # optimizer state exists, caches are warm
         step()
     run_url = f"s3://{args.bucket}/{mode}-{os.getpid()}-{interval}"
-    s3ckpt_async = ("thread", "thread-nice0", "process")
+    s3ckpt_async = ("thread", "thread-nice0", "thread-first", "thread-io", "process")
     writer: Any = S3Writer(run_url, config=config) if mode in s3ckpt_async else None
     if mode in PEER_MODES:
         writer = _peer_writer(mode, config, args.bucket)
@@ -264,7 +295,7 @@ def _timed(
             raw.wait()
         blocking += time.perf_counter() - began
 
-    if mode != "none":
+    if mode not in ("none", "thread-first"):  # thread-first: a job's first checkpoints
         checkpoint("warm-up")
         durable()
     blocking = 0.0
@@ -272,6 +303,7 @@ def _timed(
     tensors = _tensors({"model": model_state, "optim": optim_state}).values()
     state_bytes = sum(t.numel() * t.element_size() for t in tensors)
     threads_before, core_before = _thread_cpu(), _core_times(args.trainer_core)
+    tasks_before, own_before = _tasks(), _own_cpu_seconds()
     cpu_before, started = _cpu_seconds(), time.perf_counter()
     steps = interval * (checkpoints + 1)
     durations: list[float] = []
@@ -289,6 +321,7 @@ def _timed(
     durable()
     wall = time.perf_counter() - started
     cpu = _cpu_seconds() - cpu_before
+    by_thread = _by_thread(tasks_before, _own_cpu_seconds() - own_before)
     threads_after, core_after = _thread_cpu(), _core_times(args.trainer_core)
     core = {k: core_after[k] - core_before.get(k, 0.0) for k in core_after}
     # The machine's speed drifts between runs by more than a checkpoint costs; within a run, a
@@ -299,6 +332,7 @@ def _timed(
         "in_run_lost_s": blocking + slowed,
         "main_thread_cpu_s": threads_after[0] - threads_before[0],
         "other_threads_cpu_s": threads_after[1] - threads_before[1],
+        "thread_cpu_s": by_thread,
         "core_s": core,
         "slowed_s": slowed,
         "clean_step_s": clean,

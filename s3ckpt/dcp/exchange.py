@@ -149,6 +149,10 @@ class Pieces:
 
     def _cut(self, target: Target, receives: _Index, sends: _Index) -> None:
         piece = _Piece(target)
+        if not receives.transfers and not sends.transfers:  # an unshared load: every target
+            piece.whole = True
+            self._fetch(piece, target.start, target.end)
+            return
         mine, out = receives.within(target), sends.within(target)
         if not mine and not out:
             piece.whole = True

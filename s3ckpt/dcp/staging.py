@@ -10,10 +10,15 @@ this writer (its first call claimed them) and the running save's thread has fini
 second ``async_save`` on the same writer first waits for the previous save to finish; a save
 that ran elsewhere (PROCESS mode pickles the writer into another process) never lets its
 buffers be reused, and the next save stages into fresh memory as DCP's default would.
+
+CPU buffers (not pinned) share one anonymous mapping advised for transparent huge pages: the
+first save touches every page of them, and on 4 KiB pages those faults cost more than the copy
+(0.46 against 0.03 s for 201 MB on the benchmark's machine; 0.08 s on huge pages).
 """
 
 from __future__ import annotations
 
+import mmap
 import threading
 from typing import Any
 
@@ -23,6 +28,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten
 
 __all__ = ["StagingBuffers"]
+
+_ALIGN = 64  # each buffer starts on a cache line
 
 
 class StagingBuffers:
@@ -51,6 +58,8 @@ class StagingBuffers:
                 if not reuse or self._unclaimed:
                     self._pinned = on_accelerator and torch.cuda.is_available()
                     self._buffers = _create_cpu_state_dict(state_dict, pin_memory=self._pinned)
+                    if not self._pinned:
+                        _into_arena(self._buffers)
                     self._signature = signature
                 assert self._buffers is not None
                 staged = _copy_state_dict(
@@ -111,3 +120,28 @@ def _describe(state_dict: dict[str, Any]) -> tuple[Any, bool]:
         else:
             shapes.append(type(leaf))
     return (spec, tuple(shapes)), on_accelerator
+
+
+def _into_arena(buffers: dict[str, Any]) -> None:
+    """Move every CPU buffer into one mapping advised for huge pages (before any is touched:
+    `_create_cpu_state_dict` only allocated them)."""
+    leaves, _ = tree_flatten(buffers)
+    tensors = [
+        leaf._local_tensor if isinstance(leaf, DTensor) else leaf
+        for leaf in leaves
+        if isinstance(leaf, DTensor) or type(leaf) is torch.Tensor
+    ]
+    tensors = [t for t in tensors if t.numel() and t.device.type == "cpu" and t.is_contiguous()]
+    offsets, total = [], 0
+    for tensor in tensors:
+        offsets.append(total)
+        total += -(-tensor.numel() * tensor.element_size() // _ALIGN) * _ALIGN
+    if not total:
+        return
+    private = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    arena = mmap.mmap(-1, total, flags=private) if private else mmap.mmap(-1, total)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        arena.madvise(mmap.MADV_HUGEPAGE)
+    storage = torch.frombuffer(arena, dtype=torch.uint8).untyped_storage()
+    for tensor, offset in zip(tensors, offsets, strict=True):
+        tensor.set_(storage, offset // tensor.element_size(), tensor.shape, tensor.stride())

@@ -92,13 +92,17 @@ def tensor_targets(
         planner.commit_tensor(item, dest)
 
     base, itemsize = chunk.base, dtype.itemsize
+    whole = lengths == shape and not any(offsets)  # the whole chunk: most reads
     if (
         dest.device.type == "cpu"
         and dest.dtype == dtype
         and dest.is_contiguous()
-        and readplan.is_exact(shape, offsets, lengths)
+        and (whole or readplan.is_exact(shape, offsets, lengths))
     ):
-        start, end = readplan.covering_range(shape, offsets, lengths, itemsize)
+        if whole:
+            start, end = 0, dest.numel() * itemsize
+        else:
+            start, end = readplan.covering_range(shape, offsets, lengths, itemsize)
         if end == start:
             return [], finish
         target = Target(number, key, base + start, base + end, sink=memory_of(dest))

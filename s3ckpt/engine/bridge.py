@@ -12,6 +12,8 @@ priority than training: ``nice`` +10 by default, ``S3CKPT_IO_NICE`` to change it
 storage layer then never preempts a training step that wants the core (measured on one shared
 core: from no difference beyond noise to half the time lost, `benchmarks/bench_training.py`
 against mode ``thread-nice0``). Uploads only slow down when every core is busy with other work.
+``S3CKPT_IO_CPUS`` (a list such as ``3`` or ``2,3`` or ``2-3``) pins those threads to cores that
+training does not use, where a machine has them; unset, they run wherever the process may.
 """
 
 from __future__ import annotations
@@ -43,10 +45,11 @@ def _get_loop() -> asyncio.AbstractEventLoop:
     global _loop, _thread
     with _lock:
         if _loop is None:
-            nice = _io_nice()  # here: a bad value must fail the caller, not kill the loop thread
+            # Read here: a bad value must fail the caller, not kill the loop thread.
+            nice, cpus = _io_nice(), _io_cpus()
             loop = asyncio.new_event_loop()
             thread = threading.Thread(
-                target=_serve, args=(loop, nice), name="s3ckpt-io", daemon=True
+                target=_serve, args=(loop, nice, cpus), name="s3ckpt-io", daemon=True
             )
             thread.start()
             _loop, _thread = loop, thread
@@ -61,9 +64,27 @@ def _io_nice() -> int:
         raise ConfigError(f"S3CKPT_IO_NICE must be an integer (0: off), got {text!r}") from None
 
 
-def _serve(loop: asyncio.AbstractEventLoop, nice: int) -> None:
+def _io_cpus() -> set[int] | None:
+    text = os.environ.get("S3CKPT_IO_CPUS", "").strip()
+    if not text:
+        return None
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            first, _, last = part.partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+    except ValueError:
+        message = f"S3CKPT_IO_CPUS must list cores (e.g. 2,3 or 2-3), got {text!r}"
+        raise ConfigError(message) from None
+    return cpus
+
+
+def _serve(loop: asyncio.AbstractEventLoop, nice: int, cpus: set[int] | None) -> None:
     try:
         _lower_priority(nice)
+        if cpus and hasattr(os, "sched_setaffinity"):
+            with contextlib.suppress(OSError):  # cores this process may not use
+                os.sched_setaffinity(threading.get_native_id(), cpus)
     finally:
         loop.run_forever()
 

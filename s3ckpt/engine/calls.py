@@ -89,6 +89,12 @@ class Calls:
     def endpoint(self) -> str:
         return self.resolved.endpoint_name
 
+    async def prepare(self) -> None:
+        """Make every endpoint's client now; a failure is left for the first request to
+        raise, typed and naming its bucket and key."""
+        with contextlib.suppress(Exception):
+            await asyncio.gather(*(holder.prepare() for holder in self._clients))
+
     def _semaphore(self) -> asyncio.Semaphore:
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.config.max_concurrency)

@@ -86,6 +86,16 @@ class ClientHolder:
                 self._client = client
         return self._client
 
+    async def prepare(self) -> None:
+        """Make the client and its HTTP session (connection pool, TLS contexts: loading the CA
+        bundle takes ~0.1 s of CPU) now, sending nothing, so that the first request does not."""
+        client = await self.get()
+        endpoint = client._endpoint
+        # aiobotocore makes the session on the first request, keyed by its proxy (if any).
+        session: Any = getattr(endpoint, "http_session", None)
+        if hasattr(session, "_get_session"):
+            await session._get_session(session._proxy_config.proxy_url_for(endpoint.host))
+
 
 def _add_content_md5(params: dict[str, Any], **_: Any) -> None:
     # Several S3 implementations still insist on Content-MD5 for DeleteObjects.

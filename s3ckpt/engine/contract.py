@@ -148,6 +148,11 @@ class ObjectStore(Protocol):
         the memory that a read fills is allocated, so that reads in flight stay bounded."""
         ...
 
+    async def prepare(self) -> None:
+        """Do now, sending no request, the one-time work of the first request (clients, their
+        HTTP sessions); errors are left for that request to raise."""
+        ...
+
     async def check_bucket(self, bucket: str) -> None:
         """Raise BucketNotFound if the bucket is missing (some servers create it on a PUT)."""
         ...

@@ -120,6 +120,9 @@ class MemoryStore:
 
     # The contract.
 
+    async def prepare(self) -> None:
+        """Nothing to make ahead: no client, no connection."""
+
     async def check_bucket(self, bucket: str) -> None:
         self._bucket(bucket, "head_bucket", None)
 

@@ -242,7 +242,7 @@ def _split(target: Target, frame: int) -> list[Target]:
     for targets smaller than a frame too: one across a boundary would otherwise pull in both
     frames, the first of which the previous fetch may already hold.
     """
-    if target.sink is None:
+    if target.sink is None or target.start // frame == (target.end - 1) // frame:
         return [target]
     cuts = [target.start, *range((target.start // frame + 1) * frame, target.end, frame)]
     return [

@@ -66,8 +66,10 @@ class CheckpointManager:
             mgr.save(step, state)         # in the background; a no-op unless should_save(step)
         mgr.close()                       # waits for the last save, frees the staging buffers
 
-    Saves go through one `S3Writer` (DCP's stager: its CPU buffers are reused); at most one is
-    in flight, and the next ``save`` that saves waits for it. They plan with a
+    Saves go through one `S3Writer` (DCP's stager: its CPU buffers are reused), made here: its
+    construction makes the S3 client and HTTP session (see `S3Writer`), so build the manager
+    before training starts and the job's first checkpoint does not pay for them. At most one
+    save is in flight, and the next ``save`` that saves waits for it. They plan with a
     `CachingSavePlanner`: a save whose state has the structure of the previous one skips DCP's
     plan exchange (not with ``incremental``, whose references are planned per save). A
     background save's error is raised by the next ``save()`` or ``wait()``
