@@ -482,6 +482,7 @@ def test_a_valid_record_of_the_densest_kind_costs_under_its_bound(s3: Any, bucke
     assert growth < MEMORY_BOUND * len(body), (growth, len(body))
 
 
+@pytest.mark.stores("seaweedfs")  # measured in a child process: a real server
 def test_a_dense_item_table_costs_under_its_bound(s3: Any, bucket: str) -> None:
     """Version 3: 300,000 one-element chunks, in shuffled order (so the general checks run,
     a tuple per chunk, not the whole-array proof of an ordered sharding) and at scattered
