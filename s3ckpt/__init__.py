@@ -42,8 +42,8 @@ if TYPE_CHECKING:
     from .dcp.hfreader import SafetensorsReader
     from .dcp.reader import S3Reader
     from .dcp.writer import S3Writer
+    from .manager import CheckpointManager
     from .tools.hfexport import export_safetensors
-    from .tools.manager import CheckpointManager
 
 __all__ = [
     "AccessDenied",
@@ -76,7 +76,7 @@ __all__ = [
 __version__ = "0.1.0"
 
 _LAZY = {
-    "CheckpointManager": "s3ckpt.tools.manager",
+    "CheckpointManager": "s3ckpt.manager",
     "S3Reader": "s3ckpt.dcp.reader",
     "S3Writer": "s3ckpt.dcp.writer",
     "SafetensorsReader": "s3ckpt.dcp.hfreader",

@@ -43,7 +43,7 @@ KILL_AT = 30
 KILLER = """
 import os, runpy, signal, sys
 
-from s3ckpt.tools.manager import CheckpointManager
+from s3ckpt.manager import CheckpointManager
 
 kill_at, script = int(sys.argv[1]), sys.argv[2]
 save = CheckpointManager.save

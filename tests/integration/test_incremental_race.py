@@ -15,9 +15,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from s3ckpt import AccessDenied, IncompleteCheckpoint, S3Writer
 from s3ckpt.dcp.incremental import Pins
+from s3ckpt.manager.restore import s3ckpt_error
 from s3ckpt.testing.faultproxy import Delay, FaultProxy, Status
 from s3ckpt.tools.catalog import describe, gc, prune
-from s3ckpt.tools.manager.restore import s3ckpt_error
 from tests.helpers import listing
 from tests.integration.test_incremental import (
     PARTS,

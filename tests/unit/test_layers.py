@@ -19,8 +19,9 @@ ALLOWED = {
     "format": set(),
     "dcp": {"engine", "format"},
     "tools": {"engine", "format", "dcp", "top"},  # top: the public names (the demo uses them)
+    "manager": {"engine", "format", "dcp", "tools"},
     "cli": {"format", "tools", "top"},  # bytes move through tools: the CLI only parses and prints
-    "top": {"dcp", "tools", "cli"},  # s3ckpt/__init__.py (the public names) and __main__.py
+    "top": {"dcp", "tools", "manager", "cli"},  # s3ckpt/__init__.py (the public names) and __main__.py
     "testing": set(),  # the fault proxy: stands alone
 }
 ENGINE_PRIVATE = {"_call", "_retrying", "_client", "_semaphore", "_abort_quietly"}
@@ -159,10 +160,11 @@ def test_the_layers_are_as_documented() -> None:
         "dcp",
         "engine",
         "format",
+        "manager",
         "testing",
         "tools",
     }
-    for package in ("engine", "format", "dcp", "tools", "testing"):
+    for package in ("engine", "format", "dcp", "tools", "manager", "testing"):
         docstring = ast.get_docstring(ast.parse((PACKAGE / package / "__init__.py").read_text()))
         assert docstring and "import" in docstring, f"s3ckpt.{package} says what it may import"
 

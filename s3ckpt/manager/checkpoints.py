@@ -1,10 +1,4 @@
-"""`CheckpointManager`: step-numbered checkpoints of a training run, saved in the background,
-thinned out by a retention policy, and restored from the newest one that loads.
-
-The modules: `run` (listing a run, retention's deletes), `restore` (the fallback and the read
-lease), `collective` (how ranks agree); the policy itself is `tools.retention` (pure, no torch,
-shared with ``s3ckpt prune``).
-"""
+"""The `CheckpointManager` class: a run's saves, retention and restore (see the package)."""
 
 from __future__ import annotations
 
@@ -26,13 +20,13 @@ from torch.distributed.checkpoint.planner import LoadPlanner
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.optim import Optimizer
 
-from ...config import S3Config, WriteOptions
-from ...dcp.planning import CachingSavePlanner
-from ...dcp.writer import S3Writer
-from ...engine import bridge
-from ...errors import CheckpointError, ConfigError, S3CkptError
-from ...format.layout import Location, step_name
-from ..retention import Retention
+from ..config import S3Config, WriteOptions
+from ..dcp.planning import CachingSavePlanner
+from ..dcp.writer import S3Writer
+from ..engine import bridge
+from ..errors import CheckpointError, ConfigError, S3CkptError
+from ..format.layout import Location, step_name
+from ..tools.retention import Retention
 from . import restore as restoring
 from .collective import groups, release
 from .run import Run, committed, prune

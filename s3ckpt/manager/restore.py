@@ -33,14 +33,14 @@ from torch.distributed.checkpoint.planner import LoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import load
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ...config import S3Config
-from ...dcp.fit import check_fit
-from ...dcp.group import Ranks, read_once
-from ...dcp.incremental import Pins
-from ...dcp.prefix import read_prefix
-from ...dcp.reader import S3Reader
-from ...engine import bridge
-from ...errors import (
+from ..config import S3Config
+from ..dcp.fit import check_fit
+from ..dcp.group import Ranks, read_once
+from ..dcp.incremental import Pins
+from ..dcp.prefix import read_prefix
+from ..dcp.reader import S3Reader
+from ..engine import bridge
+from ..errors import (
     CheckpointError,
     CheckpointNotFound,
     CheckpointReplaced,
@@ -51,9 +51,9 @@ from ...errors import (
     S3CkptError,
     StorageError,
 )
-from ...format.layout import Location
-from ...format.record import Checkpoint
-from ..verify import verify as verify_checkpoint
+from ..format.layout import Location
+from ..format.record import Checkpoint
+from ..tools.verify import verify as verify_checkpoint
 from .run import Run, children, committed
 
 __all__ = ["Request", "Restored", "damage", "nothing", "restore", "s3ckpt_error"]

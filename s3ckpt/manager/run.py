@@ -15,16 +15,16 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ...config import S3Config
-from ...dcp.prefix import saves
-from ...dcp.references import records
-from ...engine import bridge
-from ...engine.contract import ObjectStore
-from ...engine.store import get_store
-from ...errors import CheckpointNotFound
-from ...format.layout import Location, step_in, step_name
-from .. import removal, scan
-from ..retention import Retention
+from ..config import S3Config
+from ..dcp.prefix import saves
+from ..dcp.references import records
+from ..engine import bridge
+from ..engine.contract import ObjectStore
+from ..engine.store import get_store
+from ..errors import CheckpointNotFound
+from ..format.layout import Location, step_in, step_name
+from ..tools import removal, scan
+from ..tools.retention import Retention
 from .collective import Agreement
 
 __all__ = ["Run", "children", "committed", "prune"]

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.optim import Optimizer
 
-from ...errors import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["ModuleState", "OptimizerState", "stateful", "warn_stateless"]
 
