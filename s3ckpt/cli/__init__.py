@@ -25,7 +25,7 @@ from typing import Any, NoReturn
 from .. import __version__
 from ..config import MiB, S3Config
 from ..errors import CheckpointNotFound, ConfigError, IncompleteCheckpoint, S3CkptError
-from . import data, manage, serve  # noqa: F401  (importing them registers their subcommands)
+from . import data, local, manage  # noqa: F401  (importing them registers their subcommands)
 from .base import (
     COMMANDS,
     EXIT_ERROR,

@@ -36,7 +36,7 @@ from ..format.layout import Location
 from ..format.readplan import Target, plan_fetches
 from .adapter import AtLocation, to_torch_future
 from .exchange import Pieces
-from .reads import run_all
+from .fetching import run_all
 from .targets import Finish, StoredChunk, collect, tensor_targets
 
 __all__ = ["SafetensorsReader", "read_headers", "torch_dtype"]

@@ -43,10 +43,10 @@ from ..format.sharing import Span
 from . import group
 from .adapter import AtLocation, to_torch_future
 from .exchange import Pieces
+from .fetching import run_all
 from .fit import check_fit
 from .group import gloo
 from .prefix import read_prefix
-from .reads import run_all
 from .targets import StoredChunk, collect, tensor_targets
 
 __all__ = ["S3Reader"]

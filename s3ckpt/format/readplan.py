@@ -10,7 +10,7 @@ trip beats a few wasted bytes), splits large zero-copy targets so they download 
 and caps every fetch's size. A fetch streams into its zero-copy targets directly; only the other
 targets get a buffer (`destinations`), so the memory a load holds beyond its destination tensors
 is bounded by ``max_size x concurrency`` (and, for compressed objects, 1 MiB and a zstd window of
-at most a frame per frame being decoded: `frames.decode_into`). `s3ckpt.dcp.reads` runs the
+at most a frame per frame being decoded: `frames.decode_into`). `s3ckpt.dcp.fetching` runs the
 plan. All byte ranges are half-open ``(start, end)``.
 """
 

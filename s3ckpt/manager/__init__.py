@@ -6,7 +6,7 @@ retention's deletes, `tools.verify` for restore's checks, the pure `tools.retent
 shared with ``s3ckpt prune``). It may import everything below it (`tools`, `dcp`, `format`,
 `engine`, the foundation); nothing in s3ckpt imports it but the public names.
 
-The modules: `checkpoints` (the manager), `run` (listing a run, retention's deletes),
+The modules: `checkpoints` (the manager), `steps` (a run's committed steps, retention's deletes),
 `restore` (the fallback and the read lease), `states` (modules and optimizers as DCP
 Statefuls), `collective` (how ranks agree).
 """

@@ -29,8 +29,8 @@ from ..format.layout import Location, step_name
 from ..tools.retention import Retention
 from . import restore as restoring
 from .collective import groups, release
-from .run import Run, committed, prune
 from .states import stateful, warn_stateless
+from .steps import Run, committed, prune
 
 __all__ = ["CheckpointManager"]
 

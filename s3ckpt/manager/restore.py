@@ -54,7 +54,7 @@ from ..errors import (
 from ..format.layout import Location
 from ..format.record import Checkpoint
 from ..tools.verify import verify as verify_checkpoint
-from .run import Run, children, committed
+from .steps import Run, children, committed
 
 __all__ = ["Request", "Restored", "damage", "nothing", "restore", "s3ckpt_error"]
 

@@ -24,7 +24,7 @@ from .removal import GcReport, Removal, delete, gc, prune
 from .scan import CheckpointInfo, Progress
 
 if TYPE_CHECKING:
-    from .state import Exported
+    from .export import Exported
 
 __all__ = [
     "CheckpointInfo",
@@ -84,7 +84,7 @@ def read_state(
     counts tensor bytes as they arrive. ``trust_pickles`` is `S3Reader`'s: without it a
     non-tensor value that could run code when unpickled raises `UnsafeCheckpoint`."""
     _check_readable(url, config)
-    from .state import read_state as load  # torch and DCP: only this needs them
+    from .export import read_state as load  # torch and DCP: only this needs them
 
     return load(url, config, progress=progress, trust_pickles=trust_pickles)
 
@@ -101,7 +101,7 @@ def export(
     as it was saved, holding a bounded batch of tensors in memory at a time (see
     `state.export`); ``progress`` and ``trust_pickles`` as for `read_state`."""
     _check_readable(url, config)
-    from .state import export as write  # torch and DCP: only this needs them
+    from .export import export as write  # torch and DCP: only this needs them
 
     return write(url, path, config, progress=progress, trust_pickles=trust_pickles)
 

@@ -37,8 +37,8 @@ from ..format import safetensors as st
 from ..format.layout import Location
 from ..format.record import TensorEntry
 from ..format.tensorbytes import memory_of
+from .export import Counter, Source
 from .scan import Progress
-from .state import Counter, Source
 
 __all__ = ["DEFAULT_SHARD_SIZE", "SafetensorsExport", "export_safetensors", "parse_size"]
 

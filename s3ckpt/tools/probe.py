@@ -15,7 +15,7 @@ from typing import Any
 
 from ..checksums import checksum
 from ..config import S3Config, parse_s3_url
-from ..dcp.reads import run_all
+from ..dcp.fetching import run_all
 from ..engine import bridge
 from ..engine.contract import ObjectStore, Stats
 from ..engine.store import get_store

@@ -6,8 +6,8 @@ import asyncio
 from dataclasses import dataclass
 
 from ..config import S3Config
+from ..dcp.fetching import run_fetch
 from ..dcp.prefix import read_prefix
-from ..dcp.reads import run_fetch
 from ..engine import bridge
 from ..engine.contract import ObjectStore
 from ..engine.store import get_store

@@ -21,7 +21,12 @@ ALLOWED = {
     "tools": {"engine", "format", "dcp", "top"},  # top: the public names (the demo uses them)
     "manager": {"engine", "format", "dcp", "tools"},
     "cli": {"format", "tools", "top"},  # bytes move through tools: the CLI only parses and prints
-    "top": {"dcp", "tools", "manager", "cli"},  # s3ckpt/__init__.py (the public names) and __main__.py
+    "top": {
+        "dcp",
+        "tools",
+        "manager",
+        "cli",
+    },  # s3ckpt/__init__.py (the public names) and __main__.py
     "testing": set(),  # the fault proxy: stands alone
 }
 ENGINE_PRIVATE = {"_call", "_retrying", "_client", "_semaphore", "_abort_quietly"}
