@@ -14,7 +14,7 @@ from s3ckpt import S3Reader
 from tests import dist_workers
 from tests.helpers import listing
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.stores("seaweedfs")]  # ranks: not the wire
 
 
 def free_port() -> int:

@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 
 from s3ckpt import ChecksumMismatch, ConfigError, S3Writer, export_safetensors
 from s3ckpt.config import MiB
+from s3ckpt.format.record import decode
 from s3ckpt.tools.hfexport import parse_size
 from tests import dist_workers
 from tests.conftest import Cli, S3Env
@@ -161,13 +162,12 @@ def test_a_checkpoint_sharded_over_two_ranks_exports_whole_tensors(
 
 def _corrupt(s3: S3Env, bucket: str, prefix: str, name: str) -> None:
     """Flip a stored byte in the middle of tensor ``name``."""
-    record = json.loads(
-        s3.client.get_object(Bucket=bucket, Key=f"{prefix}/.metadata")["Body"].read()
-    )
-    locator = record["state_dict"][name]["chunks"][0]["locator"]
-    key = f"{prefix}/{locator['key']}"
+    raw = s3.client.get_object(Bucket=bucket, Key=f"{prefix}/.metadata")["Body"].read()
+    checkpoint = decode(raw, url=f"s3://{bucket}/{prefix}")
+    (locator,) = (at for index, at in checkpoint.locators.items() if index.fqn == name)
+    key = f"{prefix}/{locator.key}"
     body = bytearray(s3.client.get_object(Bucket=bucket, Key=key)["Body"].read())
-    body[locator["offset"] + locator["length"] // 2] ^= 0xFF
+    body[locator.offset + locator.length // 2] ^= 0xFF
     s3.client.put_object(Bucket=bucket, Key=key, Body=bytes(body))
 
 

@@ -413,8 +413,8 @@ os.environ["AWS_ACCESS_KEY_ID"] = config.access_key_id
 os.environ["AWS_SECRET_ACCESS_KEY"] = config.secret_access_key
 assert main(["--endpoint-url", config.endpoint_url, *{argv}]) == 0
 """
-    setup = "import os\nfrom s3ckpt.cli import main\nfrom s3ckpt.tools import catalog, state"
-    peak = peak_growth(s3.config(), code, setup)  # (state imports torch and DCP)
+    setup = "import os\nfrom s3ckpt.cli import main\nfrom s3ckpt.tools import catalog, export"
+    peak = peak_growth(s3.config(), code, setup)  # (export imports torch and DCP)
     assert peak.error is None
     assert peak.growth < 256 * MiB, peak
     loaded = torch.load(out, mmap=True, weights_only=True)

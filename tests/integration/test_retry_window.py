@@ -54,11 +54,17 @@ def timed_failure(call: Callable[[], Any]) -> tuple[BaseException, float]:
     return error, time.monotonic() - began
 
 
+_RESERVED: list[socket.socket] = []
+
+
 def dead_endpoint() -> str:
-    """A port on 127.0.0.1 that nothing listens on: connections are refused."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{probe.getsockname()[1]}"
+    """A port on 127.0.0.1 that nothing listens on: connections are refused. The socket stays
+    bound (never listening) for the session, so that no later test gets the same port, and
+    with it the same store, which would remember the earlier test's outage."""
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    _RESERVED.append(probe)
+    return f"http://127.0.0.1:{probe.getsockname()[1]}"
 
 
 def test_the_proxy_can_brown_out_for_a_while_and_trickle(s3: Any, bucket: str) -> None:
