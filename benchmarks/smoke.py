@@ -44,8 +44,7 @@ CASES = [
     Case("bench_manager", "--width 64 --layers 1 --batch 4 --interval 2 --saves 2 --repeat 1"),
     Case(
         "bench_peers",
-        "--systems s3ckpt raw --workloads large small --size-gib 0.01 --small-count 20 "
-        "--repeat 1 --no-proxy",
+        "--systems s3ckpt raw --workloads large --size-gib 0.005 --repeat 1 --no-proxy",
     ),
     Case(
         "bench_throttle",

@@ -50,6 +50,10 @@ from s3ckpt.testing.faultproxy import (
 )
 from tests.conftest import S3Env
 
+pytestmark = pytest.mark.stores(
+    "seaweedfs"
+)  # the proxy's own behaviour: one real server behind it is enough (CI time)
+
 MiB = 1024 * 1024
 
 

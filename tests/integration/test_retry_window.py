@@ -33,6 +33,9 @@ from tests.helpers import listing, raised
 from tests.integration.test_faultproxy import client_for
 from tests.integration.test_faults import assert_equal, state, zeros
 
+# Retry windows are the client's and the proxy makes the faults: the strict server is enough.
+pytestmark = pytest.mark.stores("seaweedfs")
+
 SMALL_PARTS = {"part_size": 5 * MiB, "multipart_threshold": 5 * MiB}
 BROWNOUT_S = 5.0
 # A store that stays down: a short window and short timeouts, so that failing takes seconds.
