@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
-import datetime
 import gc
 import io
 import json
@@ -45,7 +44,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -75,6 +73,7 @@ from .common import (
     RssSampler,
     format_table,
     machine_info,
+    rank_process,
     s3_endpoint,
 )
 from .scale_layouts import LAYOUTS, LayoutPoint, layout_table, run_layout_point
@@ -293,23 +292,7 @@ def profiled(point: Point, rank: int, phase: str) -> Iterator[None]:
 
 def rank_main(rank: int, world: int, port: int, point: Point, out_dir: str) -> None:
     """One rank of one point: save, load, verify; writes its numbers to ``rank-<r>.json``."""
-    out = Path(out_dir) / f"rank-{rank}.json"
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=1800),
-        )
-        try:
-            result = _rank_run(rank, point)
-        finally:
-            dist.destroy_process_group()
-        out.write_text(json.dumps(result))
-    except BaseException:
-        out.write_text(json.dumps({"error": traceback.format_exc()[-4000:]}))
-        raise
+    rank_process(rank, world, port, out_dir, 1800, lambda: _rank_run(rank, point))
 
 
 def _rank_run(rank: int, point: Point) -> dict[str, Any]:

@@ -6,6 +6,7 @@ Kept free of any one benchmark's logic so later benchmarks can reuse it.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import fcntl
 import http.client
 import json
@@ -19,7 +20,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+import traceback
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -466,3 +468,29 @@ def counts_delta(after: dict[str, int] | None, before: dict[str, int] | None) ->
     if after is None or before is None:
         return {}
     return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+
+
+def rank_process(
+    rank: int, world: int, port: int, out_dir: str, timeout_s: float, run: Callable[[], Any]
+) -> None:
+    """The body of one spawned rank: join a gloo group of ``world`` on ``port``, ``run()``, and
+    write its result (or the traceback) to ``out_dir/rank-<rank>.json`` for the parent."""
+    import torch.distributed as dist
+
+    out = Path(out_dir) / f"rank-{rank}.json"
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        try:
+            result = run()
+        finally:
+            dist.destroy_process_group()
+        out.write_text(json.dumps(result))
+    except BaseException:
+        out.write_text(json.dumps({"error": traceback.format_exc()[-4000:]}))
+        raise

@@ -21,12 +21,10 @@ Layouts: ``replicated``, every rank holds every tensor whole (DCP saves each onc
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import multiprocessing
 import tempfile
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,7 +44,7 @@ from s3ckpt.format.layout import Location
 from s3ckpt.testing.faultproxy import Delay, FaultProxy
 from s3ckpt.tools.localserver import free_port
 
-from .common import MiB, RssSampler, format_table
+from .common import MiB, RssSampler, format_table, rank_process
 
 __all__ = ["LAYOUTS", "LayoutPoint", "layout_table", "run_layout_point"]
 
@@ -121,23 +119,7 @@ class _Stamped(S3Writer):
 
 
 def rank_main(rank: int, point: LayoutPoint, port: int, out_dir: str) -> None:
-    out = Path(out_dir) / f"rank-{rank}.json"
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=point.world,
-            timeout=datetime.timedelta(seconds=600),
-        )
-        try:
-            result = _rank_run(rank, point)
-        finally:
-            dist.destroy_process_group()
-        out.write_text(json.dumps(result))
-    except BaseException:
-        out.write_text(json.dumps({"error": traceback.format_exc()[-4000:]}))
-        raise
+    rank_process(rank, point.world, port, out_dir, 600, lambda: _rank_run(rank, point))
 
 
 def _rank_run(rank: int, point: LayoutPoint) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from ..errors import ChecksumMismatch, StorageError
 from ..scatter import Scatter
 from .calls import Calls, Deadline, etag_of
 from .contract import Blob
+from .failures import checksum_mismatch, failed_get, wrong_size
 from .retry import RetryPolicy
 
 __all__ = ["Downloads"]
@@ -195,15 +196,7 @@ class Downloads(Calls):
     def _wrong_size(
         self, bucket: str, key: str, start: int, end: int, size: int | None, stored: int | None
     ) -> StorageError:
-        holds = "too few bytes" if stored is None else f"{stored} bytes"
-        recorded = "" if size is None else f" of the {size} the commit recorded"
-        return self._failed_get(
-            bucket,
-            key,
-            "SizeMismatch",
-            f"the object holds {holds}, the read wanted bytes {start}-{end - 1}{recorded}; it "
-            "was truncated or replaced after it was written",
-        )
+        return wrong_size(self.endpoint, bucket, key, start, end, size, stored)
 
     def _deadline(self, bucket: str, key: str, size: int) -> Deadline:
         """``size`` bytes at ``min_read_rate``, plus one ``read_timeout`` of slack: a healthy
@@ -228,28 +221,7 @@ class Downloads(Calls):
         return self._failed_get(bucket, key, "Truncated", f"response ended {ended}")
 
     def _failed_get(self, bucket: str, key: str, code: str, what: str) -> StorageError:
-        """A GET whose answer is wrong in a way the client sees (``code`` says how it is
-        retried, see `s3ckpt.engine.retry`)."""
-        return StorageError(
-            f"get_object s3://{bucket}/{key} at {self.endpoint}: {what}",
-            endpoint=self.endpoint,
-            bucket=bucket,
-            key=key,
-            operation="get_object",
-            code=code,
-            status=None,
-        )
+        return failed_get(self.endpoint, bucket, key, code, what)
 
     def _mismatch(self, bucket: str, key: str, m: StreamCheck.Mismatch) -> ChecksumMismatch:
-        return ChecksumMismatch(
-            f"s3://{bucket}/{key} bytes {m.start}-{m.end - 1} at {self.endpoint}: CRC32C "
-            f"{m.actual:#010x}, the commit recorded {m.expected:#010x}; the stored object is "
-            "damaged (or was damaged in transit)",
-            endpoint=self.endpoint,
-            bucket=bucket,
-            key=key,
-            start=m.start,
-            end=m.end,
-            expected=m.expected,
-            actual=m.actual,
-        )
+        return checksum_mismatch(self.endpoint, bucket, key, m)

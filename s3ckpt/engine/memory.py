@@ -34,6 +34,7 @@ from ..errors import (
 )
 from ..scatter import Scatter
 from .contract import Blob, Listing, Outcome, Part, Payload, Stats, StoredObject, Upload
+from .failures import checksum_mismatch, wrong_size
 from .retry import RetryPolicy
 
 __all__ = ["MemoryStore", "is_memory", "named"]
@@ -401,13 +402,10 @@ class MemoryStore:
         key: str | None,
         code: str,
         status: int | None,
-        what: str | None = None,
     ) -> StorageError:
         where = f"s3://{bucket}/{key}" if key else f"s3://{bucket}"
         return kind(
-            f"{operation} {where} at {self.endpoint}: {what}"
-            if what
-            else f"{operation} {where} at {self.endpoint} failed: {code}",
+            f"{operation} {where} at {self.endpoint} failed: {code}",
             endpoint=self.endpoint,
             bucket=bucket,
             key=key,
@@ -419,27 +417,10 @@ class MemoryStore:
     def _size_mismatch(
         self, bucket: str, key: str, start: int, end: int, size: int | None, stored: int
     ) -> StorageError:
-        """Worded as the engine's (`Downloads`), so that tests read the same on either."""
-        recorded = "" if size is None else f" of the {size} the commit recorded"
-        what = (
-            f"the object holds {stored} bytes, the read wanted bytes {start}-{end - 1}{recorded}; "
-            "it was truncated or replaced after it was written"
-        )
-        return self._error(StorageError, "get_object", bucket, key, "SizeMismatch", None, what)
+        return wrong_size(self.endpoint, bucket, key, start, end, size, stored)
 
     def _mismatch(self, bucket: str, key: str, m: StreamCheck.Mismatch) -> ChecksumMismatch:
-        return ChecksumMismatch(
-            f"s3://{bucket}/{key} bytes {m.start}-{m.end - 1} at {self.endpoint}: CRC32C "
-            f"{m.actual:#010x}, the commit recorded {m.expected:#010x}; the stored object is "
-            "damaged",
-            endpoint=self.endpoint,
-            bucket=bucket,
-            key=key,
-            start=m.start,
-            end=m.end,
-            expected=m.expected,
-            actual=m.actual,
-        )
+        return checksum_mismatch(self.endpoint, bucket, key, m)
 
 
 def _read(payload: Payload, start: int, end: int) -> bytes:
