@@ -3,14 +3,19 @@ a save and a load of many objects run near that rate instead of drawing a storm 
 
 A `RateLimit` proxy admits 20 requests a second. Without the adaptive limits
 (``adapt_to_throttling=False``: backoff alone) most of what is sent is refused (measured, moto
-and SeaweedFS alike: 58-59% of the save's requests, 68-70% of the load's); with them 5% and 2%,
-mostly the requests in flight when the first refusal comes back. Counted, not timed.
+and SeaweedFS alike: 58-59% of the save's requests, 68-70% of the load's); with them 9-22% and
+2-3% (7 runs on a quiet box), mostly the requests in flight when the first refusal comes back and
+one per probe above the rate. Counted, not timed; but the proxy is a thread of this process, so
+a busy box bunches the arrivals it rates (27% of a save once on CI, on moto): the bound leaves
+room for that and still tells the adaptive limits from backoff alone. SeaweedFS alone: the
+limits are the client's and the refusals the proxy's, whatever store is behind them.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -22,7 +27,9 @@ from tests.integration.test_faults import assert_equal, zeros
 
 OBJECTS = 48
 RATE = 20.0
-BOUND = 0.25  # refused / received, for the save and for the load
+BOUND = 0.4  # refused / received, for the save and for the load
+
+pytestmark = pytest.mark.stores("seaweedfs")
 
 
 def many_objects() -> dict[str, torch.Tensor]:
