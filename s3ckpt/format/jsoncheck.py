@@ -60,8 +60,10 @@ def is_count(value: Any) -> bool:
 
 
 def all_counts(values: list[Any]) -> bool:
-    """The fast path for offsets and sizes; exact ``int`` also rules out ``bool``."""
-    return all(type(v) is int and 0 <= v <= MAX_INT for v in values)
+    """The fast path for offsets and sizes, in C loops; exact ``int`` also rules out ``bool``."""
+    return not values or (
+        set(map(type, values)) == {int} and 0 <= min(values) <= max(values) <= MAX_INT
+    )
 
 
 def reject_constant(name: str) -> NoReturn:

@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from itertools import chain, repeat
+from operator import add, gt, mul, ne
+from typing import Any, TypeVar, cast
 
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -33,8 +35,10 @@ from .model import (
     is_digest,
     is_valid_key,
 )
-from .tiling import Box, check_chunk, check_extent, check_tiling
+from .tiling import check_chunk, check_extent, check_tiling_columns
 from .torchmeta import DTYPE_NAMES, LAYOUT_NAMES, MEMORY_FORMAT_NAMES
+
+T = TypeVar("T")
 
 _MAX_DEPTH = 64  # planner_data / extra nesting; deeper is almost surely a reference cycle.
 
@@ -113,18 +117,9 @@ def _encode_record(
         object_sizes[key] = size
 
     names = sorted(object_sizes)
-    columns = _Columns({key: i for i, key in enumerate(names)})
-    used: set[MetadataIndex] = set()
-
-    def locate(index: MetadataIndex, where: str) -> Locator:
-        locator = locators.get(index)
-        if locator is None:
-            fail(f"{where}: no locator for this item (every chunk and bytes item needs one)")
-        if not isinstance(locator, Locator):
-            fail(f"{where}: expected a Locator, got {type(locator).__name__}")
-        check_locator(locator, object_sizes, where)
-        used.add(index)
-        return locator
+    columns = _Columns({key: i for i, key in enumerate(names)}, object_sizes)
+    found = _by_item(locators)
+    chunk_digests = _by_item(digests)
 
     items = metadata.state_dict_metadata
     unnamed = next((fqn for fqn in items if not isinstance(fqn, str)), None)
@@ -134,15 +129,17 @@ def _encode_record(
     for fqn in sorted(items):  # the table's rows are in the order of the sorted JSON's names
         item, where = items[fqn], f"state_dict[{fqn!r}]"
         if isinstance(item, TensorStorageMetadata):
-            state_dict[fqn] = _encode_tensor(fqn, item, locate, columns, digests, where)
+            state_dict[fqn] = _encode_tensor(
+                item, found.get(fqn, {}), columns, chunk_digests.get(fqn, {}), where
+            )
         elif isinstance(item, BytesStorageMetadata):
-            columns.add(locate(MetadataIndex(fqn), where), None)
+            columns.add(_locate(found.get(fqn, {}), None, where, object_sizes), None)
             state_dict[fqn] = {"type": "bytes"}
         else:
             fail(f"{where}: unsupported storage metadata {type(item).__name__}")
 
-    unused = [index for index in locators if index not in used]
-    if unused:
+    if len(columns.keys) != len(locators):
+        unused = _unused(items, locators)
         shown = ", ".join(f"({i.fqn!r}, {show(i.offset)})" for i in unused[:3])
         fail(f"{len(unused)} locator(s) match no item in the metadata, e.g. {shown}")
     idle = set(range(len(names))) - set(columns.keys)
@@ -164,11 +161,50 @@ def _encode_record(
     }
 
 
+_Offsets = tuple[int, ...] | None  # a chunk's offsets; None for a bytes item
+
+
+def _by_item(mapping: Mapping[MetadataIndex, T]) -> dict[str, dict[_Offsets, T]]:
+    """``mapping`` by fqn, then by offsets: a chunk is found by a tuple's hash, where a
+    `MetadataIndex` built per chunk costs more than the rest of its encode."""
+    grouped: dict[str, dict[_Offsets, T]] = {}
+    for index, value in mapping.items():
+        offset = index.offset
+        grouped.setdefault(index.fqn, {})[None if offset is None else tuple(offset)] = value
+    return grouped
+
+
+def _unused(items: Mapping[str, Any], locators: Mapping[MetadataIndex, Locator]) -> list[Any]:
+    """The locators no item of ``items`` has: the error path only."""
+    used: set[tuple[str, _Offsets]] = set()
+    for fqn, item in items.items():
+        if isinstance(item, TensorStorageMetadata):
+            used.update((fqn, tuple(chunk.offsets)) for chunk in item.chunks)
+        else:
+            used.add((fqn, None))
+    return [
+        i for i in locators if (i.fqn, None if i.offset is None else tuple(i.offset)) not in used
+    ]
+
+
+def _locate(
+    found: Mapping[_Offsets, Locator], offsets: _Offsets, where: str, objects: Mapping[str, int]
+) -> Locator:
+    locator = found.get(offsets)
+    if locator is None:
+        fail(f"{where}: no locator for this item (every chunk and bytes item needs one)")
+    if not isinstance(locator, Locator):
+        fail(f"{where}: expected a Locator, got {type(locator).__name__}")
+    check_locator(locator, objects, where)
+    return locator
+
+
 class _Columns:
     """The item table's columns, a row per item as `_encode_record` visits them."""
 
-    def __init__(self, index: dict[str, int]) -> None:
+    def __init__(self, index: dict[str, int], objects: Mapping[str, int]) -> None:
         self.index = index
+        self.objects = objects
         self.keys: list[int] = []
         self.offsets: list[int] = []
         self.lengths: list[int] = []
@@ -182,6 +218,12 @@ class _Columns:
         self.lengths.append(locator.length)
         self.digests.append(digest)
 
+    def add_rows(self, locators: list[Locator], digests: list[str | None]) -> None:
+        self.keys.extend(self.index[locator.key] for locator in locators)
+        self.offsets.extend(locator.offset for locator in locators)
+        self.lengths.extend(locator.length for locator in locators)
+        self.digests.extend(digests)
+
     def pack(self) -> dict[str, Any]:
         return table.pack(
             self.keys,
@@ -194,11 +236,10 @@ class _Columns:
 
 
 def _encode_tensor(
-    fqn: str,
     item: TensorStorageMetadata,
-    locate: Callable[[MetadataIndex, str], Locator],
+    found: Mapping[_Offsets, Locator],
     columns: _Columns,
-    digests: Mapping[MetadataIndex, str],
+    digests: Mapping[_Offsets, str],
     where: str,
 ) -> dict[str, Any]:
     props = item.properties
@@ -212,35 +253,16 @@ def _encode_tensor(
     if memory_format is None:
         fail(f"{where}: memory format {props.memory_format} is not supported")
     size = _encode_counts(item.size, where, "size")
-    seen: set[tuple[int, ...]] = set()
-    boxes: list[Box] = []
-    volume = 0
-    chunk_offsets: list[list[int]] = []
-    chunk_sizes: list[list[int]] = []
-    for position, chunk in enumerate(item.chunks):
-        at = f"{where}.chunks[{position}]"
-        offsets = _encode_counts(chunk.offsets, at, "offsets")
-        sizes = _encode_counts(chunk.sizes, at, "sizes")
-        check_chunk(offsets, sizes, size, at)
-        if tuple(offsets) in seen:
-            fail(f"{at}: two chunks start at offsets {offsets}")
-        seen.add(tuple(offsets))
-        index = MetadataIndex(fqn, offsets)
-        locator = locate(index, at)
-        count = check_extent(locator.length, sizes, props.dtype.itemsize, dtype, at)
-        if count:
-            boxes.append((position, offsets, sizes))
-        volume += count
-        digest = digests.get(index)
-        if digest is not None and not is_digest(digest):
-            fail(f"{at}: digest {show(digest)} is not 32 hex digits")
-        columns.add(locator, digest)
-        chunk_offsets.append(offsets)
-        chunk_sizes.append(sizes)
-    check_tiling(size, volume, boxes, where)
-    for dim in range(len(size)):  # dimension by dimension, chunk by chunk
-        columns.chunk_offsets.extend(offsets[dim] for offsets in chunk_offsets)
-        columns.chunk_sizes.extend(sizes[dim] for sizes in chunk_sizes)
+    rows = _rows_at_once(item, size, found, columns.objects, digests)
+    if rows is None:  # something is wrong: find and name it, chunk by chunk
+        rows = _rows_one_by_one(item, size, found, columns.objects, digests, where)
+    chunk_offsets, chunk_sizes, counts, locators, chunk_digests = rows
+    check_tiling_columns(size, chunk_offsets, chunk_sizes, counts, where)
+    columns.add_rows(locators, chunk_digests)
+    for column in chunk_offsets:  # dimension by dimension, chunk by chunk
+        columns.chunk_offsets.extend(column)
+    for column in chunk_sizes:
+        columns.chunk_sizes.extend(column)
     return {
         "type": "tensor",
         "dtype": dtype,
@@ -249,8 +271,102 @@ def _encode_tensor(
         "memory_format": memory_format,
         "requires_grad": bool(props.requires_grad),
         "pin_memory": bool(props.pin_memory),
-        "chunks": len(chunk_offsets),
+        "chunks": len(counts),
     }
+
+
+# A tensor's rows: offsets and sizes by dimension (``offsets[d][i]``), each chunk's element
+# count, locator and digest.
+_Rows = tuple[list[Sequence[int]], list[Sequence[int]], list[int], list[Locator], list[str | None]]
+
+
+def _rows_at_once(
+    item: TensorStorageMetadata,
+    size: list[int],
+    found: Mapping[_Offsets, Locator],
+    objects: Mapping[str, int],
+    digests: Mapping[_Offsets, str],
+) -> _Rows | None:
+    """The rows, every check made a column at a time (C loops); None if any fails, for
+    `_rows_one_by_one` to name the chunk. Half the encode's time was per-chunk checks."""
+    chunks = item.chunks
+    try:
+        offsets = [tuple(chunk.offsets) for chunk in chunks]
+        sizes = [tuple(chunk.sizes) for chunk in chunks]
+        dims = len(size)
+        if {len(o) for o in offsets} | {len(s) for s in sizes} != {dims}:
+            return None
+        if not all_counts(list(chain.from_iterable(offsets + sizes))):
+            return None
+        by_dim_offsets: list[Sequence[int]] = list(zip(*offsets, strict=True)) if dims else []
+        by_dim_sizes: list[Sequence[int]] = list(zip(*sizes, strict=True)) if dims else []
+        for extent, column, spans in zip(size, by_dim_offsets, by_dim_sizes, strict=True):
+            if max(map(add, column, spans)) > extent:
+                return None
+        if len(set(offsets)) != len(offsets):
+            return None
+        maybe = list(map(found.get, offsets))
+        if not all(type(locator) is Locator for locator in maybe):
+            return None
+        locators = cast(list[Locator], maybe)
+        keys = [locator.key for locator in locators]
+        starts = [locator.offset for locator in locators]
+        lengths = [locator.length for locator in locators]
+        if not all(type(key) is str for key in keys) or not all_counts(starts + lengths):
+            return None
+        if any(map(gt, map(add, starts, lengths), map(objects.__getitem__, keys))):
+            return None
+        counts = list(map(math.prod, sizes))
+        if any(map(ne, lengths, map(mul, counts, repeat(item.properties.dtype.itemsize)))):
+            return None
+    except (KeyError, TypeError):  # a key not among the objects; offsets that are not ints
+        return None
+    chunk_digests: list[str | None] = (
+        list(map(digests.get, offsets)) if digests else [None] * len(offsets)
+    )
+    if digests and not all(d is None or is_digest(d) for d in chunk_digests):
+        return None
+    return by_dim_offsets, by_dim_sizes, counts, locators, chunk_digests
+
+
+def _rows_one_by_one(
+    item: TensorStorageMetadata,
+    size: list[int],
+    found: Mapping[_Offsets, Locator],
+    objects: Mapping[str, int],
+    digests: Mapping[_Offsets, str],
+    where: str,
+) -> _Rows:
+    """The rows, each chunk checked in turn: slower, and names the first chunk at fault."""
+    dtype, itemsize = DTYPE_NAMES[item.properties.dtype], item.properties.dtype.itemsize
+    seen: set[tuple[int, ...]] = set()
+    offsets_rows: list[list[int]] = []
+    sizes_rows: list[list[int]] = []
+    counts: list[int] = []
+    locators: list[Locator] = []
+    chunk_digests: list[str | None] = []
+    for position, chunk in enumerate(item.chunks):
+        at = f"{where}.chunks[{position}]"
+        offsets = _encode_counts(chunk.offsets, at, "offsets")
+        sizes = _encode_counts(chunk.sizes, at, "sizes")
+        check_chunk(offsets, sizes, size, at)
+        if tuple(offsets) in seen:
+            fail(f"{at}: two chunks start at offsets {offsets}")
+        seen.add(tuple(offsets))
+        locator = _locate(found, tuple(offsets), at, objects)
+        counts.append(check_extent(locator.length, sizes, itemsize, dtype, at))
+        digest = digests.get(tuple(offsets))
+        if digest is not None and not is_digest(digest):
+            fail(f"{at}: digest {show(digest)} is not 32 hex digits")
+        offsets_rows.append(offsets)
+        sizes_rows.append(sizes)
+        locators.append(locator)
+        chunk_digests.append(digest)
+    by_dim_offsets: list[Sequence[int]] = [list(c) for c in zip(*offsets_rows, strict=True)]
+    by_dim_sizes: list[Sequence[int]] = [list(c) for c in zip(*sizes_rows, strict=True)]
+    if not by_dim_offsets:
+        by_dim_offsets = by_dim_sizes = [[] for _ in size]
+    return by_dim_offsets, by_dim_sizes, counts, locators, chunk_digests
 
 
 def _encode_counts(values: Any, where: str, name: str) -> list[int]:
