@@ -38,7 +38,7 @@ from ..errors import (
 from ..format import readplan, sharing
 from ..format.frames import FrameTable
 from ..format.readplan import Fetch, Target, plan_fetches
-from ..format.record import Checkpoint, Locator
+from ..format.record import Checkpoint, Locator, Locators
 from ..format.sharing import Span
 from . import group
 from .adapter import AtLocation, to_torch_future
@@ -109,8 +109,8 @@ class S3Reader(AtLocation, StorageReader):
         self.share_reads = share_reads
         self._ranks: group.Ranks | None = None
         self.checkpoint: Checkpoint | None = None
-        self._chunks: dict[MetadataIndex, tuple[Locator, tuple[int, ...], torch.dtype]] = {}
-        self._locators: dict[MetadataIndex, Locator] = {}
+        self._locators = Locators({})
+        self._dtypes: dict[str, torch.dtype] = {}
         self._frames: dict[str, FrameTable] = {}
 
     def reset(self, checkpoint_id: str | Any = None) -> None:
@@ -155,9 +155,7 @@ class S3Reader(AtLocation, StorageReader):
         self, metadata: Metadata, is_coordinator: bool, **kwargs: Any
     ) -> None:
         locators = metadata.storage_data
-        if not isinstance(locators, dict) or not all(
-            isinstance(v, Locator) for v in locators.values()
-        ):
+        if not isinstance(locators, Locators):
             raise MetadataError(
                 f"{self.checkpoint_id}: metadata was not written by s3ckpt (no object locations)",
                 url=self.location.metadata_url,
@@ -169,13 +167,17 @@ class S3Reader(AtLocation, StorageReader):
             )
         self._frames = self.checkpoint.frames
         self._locators = locators
-        self._chunks = {}
-        for fqn, entry in metadata.state_dict_metadata.items():
-            if isinstance(entry, TensorStorageMetadata):
-                for chunk in entry.chunks:
-                    index = MetadataIndex(fqn, chunk.offsets)
-                    shape = tuple(chunk.sizes)
-                    self._chunks[index] = (locators[index], shape, entry.properties.dtype)
+        self._dtypes = {
+            fqn: entry.properties.dtype
+            for fqn, entry in metadata.state_dict_metadata.items()
+            if isinstance(entry, TensorStorageMetadata)
+        }
+
+    def _chunk(self, index: MetadataIndex) -> tuple[Locator, tuple[int, ...], torch.dtype]:
+        """A read item's stored chunk: where it is, its shape and dtype (looked up per item
+        read: the record holds every rank's chunks, this rank reads a few)."""
+        chunk = self._locators.chunk(index)
+        return chunk.locator, chunk.sizes, self._dtypes[index.fqn]
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         if self._ranks is None:
@@ -312,7 +314,7 @@ class S3Reader(AtLocation, StorageReader):
             locator = self._locators[item.storage_index]
             key = self.location.key(locator.key)
             return [Span(key, locator.offset, locator.offset + locator.length)]
-        locator, shape, dtype = self._chunks[item.storage_index]
+        locator, shape, dtype = self._chunk(item.storage_index)
         key, base = self.location.key(locator.key), locator.offset
         offsets, lengths = tuple(item.storage_offsets), tuple(item.lengths)
         spans = []
@@ -342,7 +344,7 @@ class S3Reader(AtLocation, StorageReader):
             end = locator.offset + locator.length
             return [Target(number, key, locator.offset, end, place=load)], lambda: None
 
-        locator, shape, dtype = self._chunks[item.storage_index]
+        locator, shape, dtype = self._chunk(item.storage_index)
         chunk = StoredChunk(self.location.key(locator.key), locator.offset, shape, dtype)
         return tensor_targets(
             number,

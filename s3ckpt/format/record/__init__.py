@@ -69,6 +69,7 @@ from .model import (
 
 if TYPE_CHECKING:
     from .encoder import encode
+    from .torchmeta import Locators
 
 __all__ = [
     "FORMAT",
@@ -77,6 +78,7 @@ __all__ = [
     "Checkpoint",
     "Chunk",
     "Locator",
+    "Locators",
     "StorageInfo",
     "TensorEntry",
     "check_record_size",
@@ -86,10 +88,11 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """`encode` (and with it torch) is imported when it is first asked for."""
-    if name != "encode":
+    """`encode` and `Locators` (and with them torch) are imported when first asked for."""
+    if name not in ("encode", "Locators"):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from .encoder import encode
+    from . import encoder, torchmeta
 
-    globals()["encode"] = encode
-    return encode
+    found = encoder.encode if name == "encode" else torchmeta.Locators
+    globals()[name] = found
+    return found

@@ -21,7 +21,9 @@ from ..jsoncheck import fail, is_count, joined, show
 from ..layout import is_reference, referenced_save
 
 if TYPE_CHECKING:
-    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from .torchmeta import Locators
 
 FORMAT = "s3ckpt"
 # Version 2 added references to siblings' objects and chunk digests (incremental saves); version 3
@@ -166,11 +168,11 @@ class Checkpoint:
         return self._dcp[0]
 
     @property
-    def locators(self) -> dict[MetadataIndex, Locator]:
+    def locators(self) -> Locators:
         return self._dcp[1]
 
     @cached_property
-    def _dcp(self) -> tuple[Metadata, dict[MetadataIndex, Locator]]:
+    def _dcp(self) -> tuple[Metadata, Locators]:
         from .torchmeta import to_dcp
 
         return to_dcp(self)

@@ -909,3 +909,77 @@ def test_planner_data_is_read_when_it_is_asked_for(
     assert isinstance(checkpoint.planner_source, str)
     assert checkpoint.planner_data == saved[0].planner_data
     assert checkpoint.metadata.planner_data == saved[0].planner_data
+
+
+def _two_rows(chunks: list[tuple[Any, Any, int]]) -> tuple[Metadata, dict[MetadataIndex, Locator]]:
+    """A float32 [4, 3] tensor ``t`` of the given (offsets, sizes, locator length) chunks, each
+    in its own 48-byte slot of ``d/0``."""
+    metadata = Metadata(
+        state_dict_metadata={
+            "t": TensorStorageMetadata(
+                TensorProperties(dtype=torch.float32),
+                torch.Size([4, 3]),
+                [ChunkStorageMetadata(offsets, sizes) for offsets, sizes, _ in chunks],
+            )
+        }
+    )
+    locators = {
+        MetadataIndex("t", [0, 0] if i == 0 else [2, 0]): Locator("d/0", 48 * i, length)
+        for i, (_, _, length) in enumerate(chunks)
+    }
+    return metadata, locators
+
+
+@pytest.mark.parametrize(
+    ("chunks", "cause"),
+    [
+        ([([0, 0], [2, 3], 24), ([2, 0], [2, 3], 24)], None),
+        ([([0, 0], [2, 3], 24), ([2, 0], [3, 3], 36)], r"chunks\[1\]: .* exceed tensor size"),
+        ([([0, 0], [2, 3], 24), ([2, 0], [2, 3], 20)], r"chunks\[1\]\.locator: 20 bytes"),
+        ([([0, 0], [2, 3], 24), ([2, 0], [2], 24)], r"chunks\[1\]: .* do not match"),
+        ([([0, 0], [2, 3], 24), ([2, 0], [2, True], 24)], r"chunks\[1\]\.sizes: expected"),
+        ([([0, 0], [2, 3], 24), ([2, 0], [2, -3], 24)], r"chunks\[1\]\.sizes: expected"),
+        ([([0, 0], [4, 3], 48), ([0, 0], [4, 3], 48)], r"chunks\[1\]: two chunks start"),
+    ],
+    ids=["valid", "beyond", "length", "dims", "bool", "negative", "twice"],
+)
+def test_encode_names_the_chunk_at_fault(
+    chunks: list[tuple[Any, Any, int]], cause: str | None
+) -> None:
+    """The encode checks a tensor's chunks a column at a time, and chunk by chunk only once one
+    fails: whichever check fails names the chunk, and a valid tensor passes both."""
+    metadata, locators = _two_rows(chunks)
+    if chunks[1][0] == chunks[0][0]:
+        locators[MetadataIndex("t", [2, 0])] = Locator("d/0", 48, 48)  # a stray, never reached
+    objects = {"d/0": 96}
+    if cause is None:
+        data = encode(metadata, locators, save_id="s", created=1.0, objects=objects)
+        item = decode(data, url=URL).metadata.state_dict_metadata["t"]
+        assert isinstance(item, TensorStorageMetadata)
+        got = [(list(chunk.offsets), list(chunk.sizes)) for chunk in item.chunks]
+        assert got == [(offsets, sizes) for offsets, sizes, _ in chunks]
+        return
+    with pytest.raises(MetadataError, match=cause):
+        encode(metadata, locators, save_id="s", created=1.0, objects=objects)
+
+
+def test_locators_are_found_with_or_without_the_position_hint(
+    saved: tuple[Metadata, dict[MetadataIndex, Locator], dict[str, int], bytes],
+) -> None:
+    """The locators are looked up in the record, not copied into a dict: DCP's position hint
+    finds a chunk at once, a missing or stale hint falls back to the offsets, and an index of
+    no stored item is a KeyError as a dict's would be."""
+    metadata, locators, _, data = saved
+    found = decode(data, url=URL).locators
+    assert dict(found) == locators and len(found) == len(locators)
+    for index, locator in locators.items():
+        assert found[MetadataIndex(index.fqn, index.offset)] == locator
+        assert found[MetadataIndex(index.fqn, index.offset, 10**6)] == locator
+        assert found.get(MetadataIndex(index.fqn, index.offset, 0)) == locator
+    item = metadata.state_dict_metadata["model.w"]
+    assert isinstance(item, TensorStorageMetadata)
+    beyond = [size + 1 for size in item.size]
+    for missing in (MetadataIndex("model.w", beyond), MetadataIndex("nothing"), "model.w"):
+        assert missing not in found
+        with pytest.raises(KeyError):
+            found[missing]
