@@ -136,6 +136,7 @@ class CheckpointManager:
             location.bucket,
             config=self.config,
             options=options,
+            overwrite=self._replaces,
             incremental=incremental,
             full_every=full_every,
         )
@@ -313,6 +314,12 @@ class CheckpointManager:
     def _busy(self) -> bool:
         return self._pending is not None and not self._pending.future.done()
 
+    def _replaces(self, checkpoint_id: str) -> bool:
+        """The writer's ``overwrite``, asked as each save begins: only a step that restore
+        skipped as damaged is saved over (a committed checkpoint elsewhere is someone else's)."""
+        with self._lock:
+            return any(self._run.at(step).url == checkpoint_id for step in self._damaged)
+
     def _is_known(self, step: int) -> bool:
         pending = self._pending
         with self._lock:
@@ -333,7 +340,6 @@ class CheckpointManager:
             return False
         warn_stateless(url, step, state_dict, self._warned)
         state = stateful(state_dict)
-        self._writer.overwrite = step in self._damaged
         try:
             if sync:
                 state_dict_saver.save(

@@ -195,6 +195,27 @@ def test_restore_falls_back_past_a_damaged_newest_checkpoint(
     assert_state(loaded, 3)
 
 
+def test_a_resumed_run_saves_over_the_damaged_step_alone(s3: Any, bucket: str) -> None:
+    """Replacing is decided per save: right after replacing damaged step 3, the same manager
+    (and writer) still refuses to save over step 4, a checkpoint it did not find damaged."""
+    with manager(s3, bucket) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, state(step))
+    damage(s3, bucket, 3, "corrupt")
+    with manager(s3, bucket) as mgr:
+        assert mgr.restore(blank()) == 2
+        dcp.save(state(40), storage_writer=S3Writer(bucket, prefix(4), config=s3.config()))
+        assert mgr.save(3, state(3)) and mgr.save(4, state(4))
+        with pytest.raises(CheckpointExists, match="step 4"):
+            mgr.wait()
+    loaded = blank()
+    with manager(s3, bucket) as mgr:
+        assert mgr.restore(loaded, step=3) == 3
+        assert_state(loaded, 3)
+        assert mgr.restore(loaded, step=4) == 4
+    assert_state(loaded, 40)
+
+
 def test_retention_never_trades_the_loadable_checkpoints_for_a_damaged_newer_one(
     s3: Any, bucket: str
 ) -> None:
