@@ -28,8 +28,10 @@ from s3ckpt import (
     CheckpointManager,
     CheckpointReplaced,
     ChecksumMismatch,
+    Retention,
     S3Reader,
     S3Writer,
+    SavePolicy,
 )
 from s3ckpt.format import layout
 from s3ckpt.format.layout import step_name
@@ -94,10 +96,13 @@ class Interrupting(DefaultLoadPlanner):
 
 POLICIES = {
     "keep_last=3": ({"keep_last": 3}, [18, 19, 20]),
-    "keep_every=6": ({"keep_every": 6}, [6, 12, 18, 20]),
-    "keep_last=2,keep_every=7": ({"keep_last": 2, "keep_every": 7}, [7, 14, 19, 20]),
+    "keep_every=6": ({"retention": Retention(keep_every=6)}, [6, 12, 18, 20]),
+    "keep_last=2,keep_every=7": (
+        {"retention": Retention(keep_last=2, keep_every=7)},
+        [7, 14, 19, 20],
+    ),
     "keep=odd,keep_last=1": (
-        {"keep": lambda s: s % 2 == 1, "keep_last": 1},
+        {"retention": Retention(keep_last=1, keep=lambda s: s % 2 == 1)},
         [*range(1, 20, 2), 20],
     ),
     "none": ({}, list(range(1, 21))),
@@ -120,7 +125,7 @@ def test_retention_over_twenty_saves(s3: Any, bucket: str, policy: str) -> None:
 
 def test_continuous_policy_saves_whenever_none_is_in_flight(s3: Any, bucket: str) -> None:
     started = []
-    with manager(s3, bucket, every=10, continuous=True, keep_last=2) as mgr:
+    with manager(s3, bucket, saving=SavePolicy(every=10, continuous=True), keep_last=2) as mgr:
         for step in range(1, 31):
             if mgr.save(step, state(step)):
                 started.append(step)
@@ -136,7 +141,7 @@ def test_continuous_policy_saves_whenever_none_is_in_flight(s3: Any, bucket: str
 def test_should_save_follows_the_schedule_and_sync_saves_commit_at_once(
     s3: Any, bucket: str
 ) -> None:
-    mgr = manager(s3, bucket, every=5, sync=True)
+    mgr = manager(s3, bucket, saving=SavePolicy(every=5, sync=True))
     assert [s for s in range(1, 11) if mgr.should_save(s)] == [5, 10]
     assert not mgr.save(4, state(4))
     assert mgr.save(5, state(5)) and mgr.steps() == [5]  # sync: committed on return
@@ -312,7 +317,7 @@ def test_restore_of_a_given_step_raises_and_a_run_that_never_loads_says_why(
 
 
 def test_retention_spares_the_data_a_manager_is_reading(s3: Any, bucket: str) -> None:
-    writer = manager(s3, bucket, keep_last=1, sync=True)
+    writer = manager(s3, bucket, keep_last=1, saving=SavePolicy(sync=True))
     for step in (1, 2):
         writer.save(step, state(step))
     assert writer.steps() == [2]
