@@ -47,7 +47,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import async_save
 
-from s3ckpt import CheckpointManager, S3Config, S3Writer
+from s3ckpt import CheckpointManager, S3Config, S3Writer, SavePolicy
 from s3ckpt.engine import bridge
 from s3ckpt.engine.store import get_store
 from s3ckpt.tools import catalog
@@ -123,9 +123,8 @@ class Saver:
             self.writer = S3Writer(url, config=config)
         else:
             keep = 2 if case in ("manager+keep", "every", "continuous") else None
-            self.manager = CheckpointManager(
-                url, keep_last=keep, every=interval, config=config, continuous=case == "continuous"
-            )
+            saving = SavePolicy(every=interval, continuous=case == "continuous")
+            self.manager = CheckpointManager(url, keep_last=keep, saving=saving, config=config)
         self.interval = interval
 
     def save(self, step: int, state: dict[str, Any], *, force: bool = False) -> bool:

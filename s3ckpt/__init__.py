@@ -1,6 +1,8 @@
 """s3ckpt: torch.distributed.checkpoint storage on S3-compatible object stores.
 
-mgr = CheckpointManager("s3://bucket/run7", keep_last=3, every=100)  # a run's checkpoints
+mgr = CheckpointManager("s3://bucket/run7", every=100, keep_last=3)  # a run's checkpoints
+CheckpointManager("s3://bucket/run7", saving=SavePolicy(every=100, save_on=signal.SIGTERM),
+                  retention=Retention(keep_last=3, keep_every=1000))  # the policies in full
 fut = dcp.async_save(state_dict, storage_writer=S3Writer("bucket", prefix="run7/step-1000"))
 S3Writer("bucket", prefix="run7/step-1000", options=WriteOptions(compression="zstd"))
 dcp.load(state_dict, storage_reader=S3Reader("bucket", prefix="run7/step-1000"))
@@ -37,12 +39,13 @@ from .errors import (
     StorageError,
     UnsafeCheckpoint,
 )
+from .tools.retention import Retention
 
 if TYPE_CHECKING:
     from .dcp.hfreader import SafetensorsReader
     from .dcp.reader import S3Reader
     from .dcp.writer import S3Writer
-    from .manager import CheckpointManager
+    from .manager import CheckpointManager, SavePolicy
     from .tools.hfexport import export_safetensors
 
 __all__ = [
@@ -61,11 +64,13 @@ __all__ = [
     "MetadataError",
     "ObjectNotFound",
     "PreconditionFailed",
+    "Retention",
     "S3CkptError",
     "S3Config",
     "S3Reader",
     "S3Writer",
     "SafetensorsReader",
+    "SavePolicy",
     "StateDictMismatch",
     "StorageError",
     "UnsafeCheckpoint",
@@ -80,6 +85,7 @@ _LAZY = {
     "S3Reader": "s3ckpt.dcp.reader",
     "S3Writer": "s3ckpt.dcp.writer",
     "SafetensorsReader": "s3ckpt.dcp.hfreader",
+    "SavePolicy": "s3ckpt.manager",
     "export_safetensors": "s3ckpt.tools.hfexport",
 }
 

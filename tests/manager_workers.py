@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from s3ckpt import CheckpointManager, S3Config
+from s3ckpt import CheckpointManager, S3Config, SavePolicy
 from tests.dist_workers import _init, leaves_at_once
 
 
@@ -71,9 +71,8 @@ def resume_on_ranks(rank: int, world: int, port: int, config: S3Config, url: str
             parameter.data.zero_()  # nothing of the fresh model may survive the restore
         sharded = distribute_tensor(torch.zeros(64, 6), mesh, [Shard(0)])
         state = training_state(model, optimizer, 0, sharded)
-        manager = CheckpointManager(
-            url, keep_last=2, every=2, config=config, save_on=signal.SIGUSR1, on_signal="return"
-        )
+        saving = SavePolicy(every=2, save_on=signal.SIGUSR1, on_signal="return")
+        manager = CheckpointManager(url, keep_last=2, saving=saving, config=config)
         assert manager.restore(state) == 3
         set_state_dict(
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
@@ -97,7 +96,8 @@ def resume_on_ranks(rank: int, world: int, port: int, config: S3Config, url: str
 def train_until_signalled(config: S3Config, url: str, steps: Any) -> None:
     """Train, telling ``steps`` (a Pipe) each step as it begins, with no save on schedule; a
     SIGTERM makes the next save() save that step, then ends the process (the default)."""
-    manager = CheckpointManager(url, every=1_000_000, config=config, save_on=signal.SIGTERM)
+    saving = SavePolicy(every=1_000_000, save_on=signal.SIGTERM)
+    manager = CheckpointManager(url, saving=saving, config=config)
     weights = torch.zeros(1000)
     for step in range(1, 1_000_000):
         steps.send(step)

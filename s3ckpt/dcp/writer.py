@@ -43,7 +43,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import Future as ConcurrentFuture
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -94,7 +94,10 @@ class S3Writer(AtLocation, StorageWriter):
         bucket: bucket name, or a whole ``s3://bucket/prefix`` URL.
         prefix: key prefix of the checkpoint (a "directory"); ``checkpoint_id`` overrides it.
         config: connection settings; default `S3Config()` reads the standard AWS sources.
-        overwrite: replace a committed checkpoint at the prefix instead of failing.
+        overwrite: replace a committed checkpoint at the prefix instead of failing; or a
+            function of the checkpoint id, asked once as each save begins, for a writer reused
+            across checkpoints that may replace only some (a `CheckpointManager`'s: the steps
+            its restore found damaged).
         options: how the bytes are laid out: objects per rank, frame size, compression,
             key spreading (`WriteOptions`; the defaults suit most stores).
         async_staging: stage in a background thread; ``dcp.async_save`` then returns an
@@ -124,7 +127,7 @@ class S3Writer(AtLocation, StorageWriter):
         *,
         config: S3Config | None = None,
         options: WriteOptions | None = None,
-        overwrite: bool = False,
+        overwrite: bool | Callable[[str], bool] = False,
         async_staging: bool = False,
         incremental: bool = False,
         full_every: int | None = None,
@@ -139,6 +142,7 @@ class S3Writer(AtLocation, StorageWriter):
         self.async_staging = async_staging
         self.incremental, self.full_every = incremental, full_every
         self.is_coordinator = False
+        self._replacing = False  # what ``overwrite`` said for the save in progress
         self._save_id: str | None = None
         self._base: Base | None = None  # the coordinator's, while an incremental save runs
         self._staging = StagingBuffers()
@@ -201,7 +205,9 @@ class S3Writer(AtLocation, StorageWriter):
 
     def set_up_storage_writer(self, is_coordinator: bool, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
-        if is_coordinator:
+        if is_coordinator:  # the one rank that commits
+            overwrite = self.overwrite
+            self._replacing = overwrite(self.checkpoint_id) if callable(overwrite) else overwrite
             bridge.run(self._check_destination())
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
@@ -333,7 +339,7 @@ class S3Writer(AtLocation, StorageWriter):
             record,
             objects,
             save_id=self._save_id,
-            overwrite=self.overwrite,
+            overwrite=self._replacing,
             references=references,
         )
         bridge.run(committing)
@@ -367,7 +373,7 @@ class S3Writer(AtLocation, StorageWriter):
         """Fail before any upload if the bucket is missing or a commit would be refused."""
         store, location = self._store, self.location
         await store.check_bucket(location.bucket)
-        if self.overwrite:
+        if self._replacing:
             return
         if await store.head(location.bucket, location.metadata_key) is not None:
             raise CheckpointExists(

@@ -6,11 +6,12 @@ retention's deletes, `tools.verify` for restore's checks, the pure `tools.retent
 shared with ``s3ckpt prune``). It may import everything below it (`tools`, `dcp`, `format`,
 `engine`, the foundation); nothing in s3ckpt imports it but the public names.
 
-The modules: `checkpoints` (the manager), `steps` (a run's committed steps, retention's deletes),
-`restore` (the fallback and the read lease), `states` (modules and optimizers as DCP
-Statefuls), `collective` (how ranks agree).
+The modules: `checkpoints` (the manager), `policy` (`SavePolicy`: when and how it saves),
+`steps` (a run's committed steps, retention's deletes), `restore` (the fallback and the read
+lease), `states` (modules and optimizers as DCP Statefuls), `collective` (how ranks agree).
 """
 
 from .checkpoints import CheckpointManager
+from .policy import SavePolicy
 
-__all__ = ["CheckpointManager"]
+__all__ = ["CheckpointManager", "SavePolicy"]

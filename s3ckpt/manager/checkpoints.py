@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import signal
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from types import FrameType, TracebackType
-from typing import Any, Literal
+from typing import Any
 
 import torch.distributed as dist
 from torch import nn
@@ -29,6 +28,7 @@ from ..format.layout import Location, step_name
 from ..tools.retention import Retention
 from . import restore as restoring
 from .collective import groups, release
+from .policy import SavePolicy
 from .states import stateful, warn_stateless
 from .steps import Run, committed, prune
 
@@ -36,7 +36,6 @@ __all__ = ["CheckpointManager"]
 
 log = logging.getLogger(__name__)
 
-OnSignal = Literal["reraise", "exit", "return"]
 _Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
 
@@ -52,13 +51,23 @@ class _Pending:
 class CheckpointManager:
     """Checkpoints of one run at ``url/step-<step>`` (the step zero-padded to 9 digits)::
 
-        mgr = CheckpointManager("s3://bucket/run7", keep_last=3, keep_every=1000, every=100)
+        mgr = CheckpointManager("s3://bucket/run7", every=100, keep_last=3)
         state = {"model": model, "optim": optimizer}  # the objects: their state at each save
         start = mgr.restore(state)        # the step loaded, or None: the run has no checkpoint
         for step in range((start or 0) + 1, total + 1):   # the step after the restored one
             ...                           # train step number ``step``
             mgr.save(step, state)         # in the background; a no-op unless should_save(step)
         mgr.close()                       # waits for the last save, frees the staging buffers
+
+    Its settings are grouped by what they decide, each in one place: ``saving`` (`SavePolicy`:
+    when and how saves happen: ``every``, ``continuous``, ``save_on``, ``sync``,
+    ``incremental``), ``retention`` (`Retention`: which saved steps stay: ``keep_last``,
+    ``keep_every``, ``keep``), ``options`` (`WriteOptions`: how the bytes are laid out,
+    compression included) and ``config`` (`S3Config`: how to reach the store). ``every`` and
+    ``keep_last``, the two that almost every run sets, may be given on their own instead:
+    ``every=100`` is ``saving=SavePolicy(every=100)``, ``keep_last=3`` is
+    ``retention=Retention(keep_last=3)``; beside the policy they belong to they are refused, so
+    no setting is ever read from two places. Without a retention rule nothing is deleted.
 
     Saves go through one `S3Writer` (DCP's stager: its CPU buffers are reused), made here: its
     construction makes the S3 client and HTTP session (see `S3Writer`), so build the manager
@@ -69,26 +78,13 @@ class CheckpointManager:
     background save's error is raised by the next ``save()`` or ``wait()``
     (``raise_on_failure=False``: logged, and the run goes on).
 
-    Retention (``keep_last`` most recent, every ``keep_every``-th step, ``keep(step)`` true; see
-    `Retention`) runs on the coordinator after each commit. It never deletes the newest committed
+    Retention runs on the coordinator after each commit. It never deletes the newest committed
     checkpoint, nor one being written or read (a live lease, see `s3ckpt.dcp.commit.ReadLease`),
-    nor an object that a kept checkpoint references.
+    nor an object that a kept checkpoint references (incremental saves' included). A committed
+    checkpoint at a step is never saved over, except one that ``restore`` skipped as damaged.
 
-    ``incremental=True``: each save references the tensors unchanged since the previous committed
-    step instead of uploading them (`S3Writer`'s ``incremental``), so a frozen base is stored once
-    for the whole run; retention's deletes keep what later steps reference. ``full_every``
-    bounds how far back references reach (`S3Writer`'s): one full save per that many steps.
-
-    ``continuous=True`` also saves whenever no save is in flight, so the newest checkpoint is never
-    older than one upload; retention then counts only the steps of ``every`` for ``keep_last``.
-
-    ``save_on=signal.SIGTERM`` (or several signals): the handler only records the signal; the
-    next ``save()`` saves that step synchronously, whatever the schedule, then ``on_signal``:
-    ``"reraise"`` (default) puts back the handler that was there before and raises the signal
-    again, so the process does what it would have done without the manager (SIGTERM's default
-    ends it); ``"exit"`` raises ``SystemExit(128 + signal)``; ``"return"`` lets ``save()``
-    return (``signal_received`` says which). The handler is installed when the manager is built,
-    which must then be in the main thread, and removed by ``close()``.
+    With ``save_on``, the signal handler is installed when the manager is built, which must
+    then be in the main thread, and removed by ``close()``.
 
     Distributed (``torch.distributed`` initialised): every rank builds the manager and calls
     ``save`` and ``restore`` with the same steps. Saves and loads run on a gloo group created
@@ -101,46 +97,45 @@ class CheckpointManager:
     def __init__(
         self,
         url: str,
-        keep_last: int | None = None,
-        keep_every: int | None = None,
-        every: int = 1,
-        config: S3Config | None = None,
-        compression: Literal["zstd"] | None = None,
-        process_group: dist.ProcessGroup | None = None,
         *,
-        keep: Callable[[int], bool] | None = None,
-        continuous: bool = False,
-        save_on: int | Iterable[int] | None = None,
-        on_signal: OnSignal = "reraise",
-        raise_on_failure: bool = True,
-        sync: bool = False,
+        every: int | None = None,
+        keep_last: int | None = None,
+        saving: SavePolicy | None = None,
+        retention: Retention | None = None,
         options: WriteOptions | None = None,
-        incremental: bool = False,
-        full_every: int | None = None,
+        config: S3Config | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        raise_on_failure: bool = True,
     ) -> None:
-        if every < 1:
-            raise ConfigError(f"every must be >= 1, got {every}")
-        if on_signal not in ("reraise", "exit", "return"):
-            raise ConfigError(f"on_signal must be 'reraise', 'exit' or 'return', not {on_signal!r}")
+        if every is not None:
+            if saving is not None:
+                raise ConfigError(
+                    f"every={every} beside saving=: give it there, SavePolicy(every={every}, ...)"
+                )
+            saving = SavePolicy(every=every)
+        if keep_last is not None:
+            if retention is not None:
+                raise ConfigError(
+                    f"keep_last={keep_last} beside retention=: give it there, "
+                    f"Retention(keep_last={keep_last}, ...)"
+                )
+            retention = Retention(keep_last=keep_last)
         location = Location.of(url)
         self.url = location.url
-        self.every, self.continuous, self.sync = every, continuous, sync
-        self.on_signal: OnSignal = on_signal
+        self.saving = saving or SavePolicy()
+        self.retention = retention or Retention()
         self.raise_on_failure = raise_on_failure
-        self.retention = Retention(keep_last, keep_every, keep, every if continuous else None)
         self.config = config or S3Config()
-        options = options or WriteOptions()
-        if compression is not None:
-            options = dataclasses.replace(options, compression=compression)
         self._writer = S3Writer(
             location.bucket,
             config=self.config,
             options=options,
-            incremental=incremental,
-            full_every=full_every,
+            overwrite=self._replaces,
+            incremental=self.saving.incremental,
+            full_every=self.saving.full_every,
         )
         # Incremental saves plan their references from every item: a cached, empty plan has none.
-        self._planner = None if incremental else CachingSavePlanner()
+        self._planner = None if self.saving.incremental else CachingSavePlanner()
         group, agreement, self._groups = groups(process_group)
         self._run = Run(location, self.config, group, agreement)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="s3ckpt-manager")
@@ -155,8 +150,8 @@ class CheckpointManager:
         self.signal_received: int | None = None
         self._received: int | None = None
         self._previous: dict[int, _Handler] = {}
-        signals = [save_on] if isinstance(save_on, int) else list(save_on or [])
-        self._vote = continuous or bool(signals)  # then every save() call agrees, distributed
+        signals = self.saving.signals
+        self._vote = self.saving.continuous or bool(signals)  # then every save() call agrees
         for signum in signals:
             try:
                 self._previous[signum] = signal.signal(signum, self._record)
@@ -231,9 +226,9 @@ class CheckpointManager:
     def should_save(self, step: int) -> bool:
         """Whether ``save(step)`` would save, as this rank sees it: ``step`` is a multiple of
         ``every``, a ``save_on`` signal arrived, or (continuous) no save is in flight."""
-        if self._received is not None or step % self.every == 0:
+        if self._received is not None or step % self.saving.every == 0:
             return True
-        return self.continuous and not self._busy()
+        return self.saving.continuous and not self._busy()
 
     def save(
         self, step: int, state_dict: dict[str, Any], force: bool = False, sync: bool | None = None
@@ -254,17 +249,17 @@ class CheckpointManager:
         """
         self._check_open()
         step_name(step)  # refuses a negative step before any work
-        wanted = force or step % self.every == 0
+        wanted = force or step % self.saving.every == 0
         busy, received = self._busy(), self._received or 0
         if self._run.agreement.distributed and self._vote:
             votes = self._run.agreement.maximum(int(wanted), int(busy), received)
             wanted, busy, received = bool(votes[0]), bool(votes[1]), votes[2]
         if received:
             return self._save_on_signal(step, state_dict, received)
-        if not (wanted or (self.continuous and not busy)):
+        if not (wanted or (self.saving.continuous and not busy)):
             self._surface(block=False)
             return False
-        return self._save(step, state_dict, self.sync if sync is None else sync)
+        return self._save(step, state_dict, self.saving.sync if sync is None else sync)
 
     def wait(self) -> None:
         """Block until the save in flight (if any) has committed; raises its error (or logs it,
@@ -313,6 +308,12 @@ class CheckpointManager:
     def _busy(self) -> bool:
         return self._pending is not None and not self._pending.future.done()
 
+    def _replaces(self, checkpoint_id: str) -> bool:
+        """The writer's ``overwrite``, asked as each save begins: only a step that restore
+        skipped as damaged is saved over (a committed checkpoint elsewhere is someone else's)."""
+        with self._lock:
+            return any(self._run.at(step).url == checkpoint_id for step in self._damaged)
+
     def _is_known(self, step: int) -> bool:
         pending = self._pending
         with self._lock:
@@ -333,7 +334,6 @@ class CheckpointManager:
             return False
         warn_stateless(url, step, state_dict, self._warned)
         state = stateful(state_dict)
-        self._writer.overwrite = step in self._damaged
         try:
             if sync:
                 state_dict_saver.save(
@@ -372,7 +372,7 @@ class CheckpointManager:
         if not (self._run.agreement.coordinator and self.retention.deletes):
             return
         try:
-            prune(self._run, self.retention, self._leftovers, damaged)
+            prune(self._run, self.retention, self._leftovers, damaged, self.saving.schedule)
         except Exception as e:  # the checkpoint is committed: retention failing must not undo it
             log.warning("%s: retention after step %d failed: %s", self.url, step, e)
 
@@ -407,23 +407,21 @@ class CheckpointManager:
         self._received = signum
 
     def _save_on_signal(self, step: int, state_dict: dict[str, Any], signum: int) -> bool:
-        name = signal.Signals(signum).name
-        log.warning(
-            "%s: %s received: saving step %d now, then %s", self.url, name, step, self.on_signal
-        )
+        name, then = signal.Signals(signum).name, self.saving.on_signal
+        log.warning("%s: %s received: saving step %d now, then %s", self.url, name, step, then)
         self._received = None
         self._surface(block=True, raising=False)  # this save supersedes a failed one
         try:
             saved = self._save(step, state_dict, sync=True)
         except S3CkptError as e:
             log.error("%s", e)
-            if self.on_signal == "return":
+            if then == "return":
                 raise
             saved = False
         self.signal_received = signum
-        if self.on_signal == "exit":
+        if then == "exit":
             raise SystemExit(128 + signum)
-        if self.on_signal == "reraise":
+        if then == "reraise":
             previous = self._previous.pop(signum, signal.SIG_DFL)
             signal.signal(signum, signal.SIG_DFL if previous is None else previous)
             signal.raise_signal(signum)

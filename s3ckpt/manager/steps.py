@@ -94,8 +94,10 @@ def prune(
     retention: Retention,
     leftovers: dict[int, Location],
     damaged: frozenset[int] = frozenset(),
+    schedule: int | None = None,
 ) -> list[int]:
-    """Apply ``retention`` to the run's committed steps once; returns the steps deleted.
+    """Apply ``retention`` (with ``schedule``: see `Retention`) to the run's committed steps
+    once; returns the steps deleted.
 
     The policy sees only records that can be read, as ``s3ckpt prune``'s does: one that cannot
     (garbled, or written by a newer s3ckpt) is never deleted and counts for nothing, since what
@@ -124,7 +126,7 @@ def prune(
         else:
             why = record.unreadable
             log.warning("%s: kept, its record cannot be read: %s", record.location.url, why)
-    steps = retention.victims(s for s in readable if s not in damaged)
+    steps = retention.victims((s for s in readable if s not in damaged), schedule)
     victims = [readable[s] for s in steps]
     gone = set(removal.remove(run.location.url, victims, run.config)) if victims else set()
     deleted = [step for step in steps if readable[step].location in gone]

@@ -1,5 +1,6 @@
-"""Which steps a run saves and keeps. Pure: no I/O. What its checkpoints are called
-(``run/step-<step>``) is `s3ckpt.format.layout.step_name`.
+"""Which of a run's committed steps stay: a `CheckpointManager`'s retention and ``s3ckpt
+prune``'s (when the manager saves is its `SavePolicy`). Pure: no I/O. What its checkpoints are
+called (``run/step-<step>``) is `s3ckpt.format.layout.step_name`.
 """
 
 from __future__ import annotations
@@ -21,36 +22,35 @@ def _at_least_one(name: str, value: int | None) -> None:
 class Retention:
     """The committed steps a run keeps: the newest, always; the ``keep_last`` most recent; every
     step that is a multiple of ``keep_every``; every step for which ``keep(step)`` is true. With
-    no rule at all, everything is kept.
+    no rule at all, everything is kept. The policy of a `CheckpointManager` (``retention=``) and
+    of ``s3ckpt prune``.
 
-    ``schedule`` (the manager's ``every`` under the continuous policy) restricts ``keep_last`` to
-    the steps on that schedule: the extra saves of the continuous policy are kept only while one
-    of them is the newest.
+    The methods' ``schedule`` (`SavePolicy.schedule`: the manager's ``every`` under the continuous
+    policy) restricts ``keep_last`` to the steps on that schedule: the extra saves of the
+    continuous policy are kept only while one of them is the newest. It is the save policy's,
+    not part of this one, so one `Retention` means the same to the manager and to ``prune``.
     """
 
     keep_last: int | None = None
     keep_every: int | None = None
     keep: Callable[[int], bool] | None = None
-    schedule: int | None = None
 
     def __post_init__(self) -> None:
         _at_least_one("keep_last", self.keep_last)
         _at_least_one("keep_every", self.keep_every)
-        _at_least_one("schedule", self.schedule)
 
     @property
     def deletes(self) -> bool:
         """Whether any rule is set (without one, nothing is ever deleted)."""
         return self.keep_last is not None or self.keep_every is not None or self.keep is not None
 
-    def kept(self, steps: Iterable[int]) -> set[int]:
+    def kept(self, steps: Iterable[int], schedule: int | None = None) -> set[int]:
         """The steps of ``steps`` (committed ones) that stay."""
         ordered = sorted(set(steps))
         if not ordered or not self.deletes:
             return set(ordered)
         kept = {ordered[-1]}
         if self.keep_last is not None:
-            schedule = self.schedule
             scheduled = [s for s in ordered if schedule is None or s % schedule == 0]
             kept.update(scheduled[-self.keep_last :])
         if self.keep_every is not None:
@@ -59,7 +59,7 @@ class Retention:
             kept.update(s for s in ordered if self.keep(s))
         return kept
 
-    def victims(self, steps: Iterable[int]) -> list[int]:
+    def victims(self, steps: Iterable[int], schedule: int | None = None) -> list[int]:
         """The steps of ``steps`` to delete, oldest first."""
         listed = set(steps)
-        return sorted(listed - self.kept(listed))
+        return sorted(listed - self.kept(listed, schedule))

@@ -60,6 +60,28 @@ def test_overwrite_replaces_and_deletes_the_old_objects(s3: Any, bucket: str) ->
     assert torch.equal(load(s3, bucket, "ck", second)["w"], second["w"])
 
 
+def test_an_overwrite_function_decides_each_save_of_a_reused_writer(s3: Any, bucket: str) -> None:
+    """What the manager relies on: one writer across checkpoints, asked per save (nothing of
+    the writer is changed between saves), replaces only where the function says so."""
+    old = {"w": torch.randn(1000)}
+    for prefix in ("run/a", "run/b"):
+        save(s3, bucket, prefix, old)
+    asked: list[str] = []
+
+    def replaceable(checkpoint_id: str) -> bool:
+        asked.append(checkpoint_id)
+        return checkpoint_id.endswith("/a")
+
+    writer = S3Writer(bucket, config=s3.config(), overwrite=replaceable)
+    new = {"w": torch.randn(1000)}
+    dcp.save(new, checkpoint_id=f"s3://{bucket}/run/a", storage_writer=writer)
+    error = raised(lambda: dcp.save(new, checkpoint_id="run/b", storage_writer=writer))
+    assert isinstance(error, CheckpointExists) and "run/b" in str(error)
+    assert asked == [f"s3://{bucket}/run/a", f"s3://{bucket}/run/b"], "once per save"
+    assert torch.equal(load(s3, bucket, "run/a", new)["w"], new["w"])
+    assert torch.equal(load(s3, bucket, "run/b", old)["w"], old["w"])
+
+
 def test_a_save_failing_midway_leaves_the_previous_checkpoint_intact(s3: Any, bucket: str) -> None:
     previous = {"big": torch.randn(6 * MiB), "small": torch.randn(100)}
     save(s3, bucket, "ck", previous)

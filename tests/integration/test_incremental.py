@@ -17,6 +17,7 @@ from s3ckpt import (
     S3Config,
     S3Reader,
     S3Writer,
+    SavePolicy,
     WriteOptions,
 )
 from s3ckpt.config import MiB
@@ -186,7 +187,7 @@ def test_full_every_needs_incremental_and_a_positive_count() -> None:
         with pytest.raises(ConfigError, match="full_every"):
             S3Writer("bucket", "run/step-1", config=S3Config(region="us-east-1"), **options)
     with pytest.raises(ConfigError, match="full_every"):
-        CheckpointManager("s3://bucket/run", config=S3Config(region="us-east-1"), full_every=5)
+        SavePolicy(full_every=5)
 
 
 def test_removing_the_base_keeps_what_later_checkpoints_reference(
@@ -258,7 +259,8 @@ def test_verify_checks_referenced_bytes(s3: Any, bucket: str) -> None:
 def test_the_manager_saves_incrementally_and_restores(s3: Any, bucket: str) -> None:
     state = model()
     url = f"s3://{bucket}/run"
-    with CheckpointManager(url, keep_last=2, config=s3.config(**PARTS), incremental=True) as mgr:
+    incremental = SavePolicy(incremental=True)
+    with CheckpointManager(url, keep_last=2, saving=incremental, config=s3.config(**PARTS)) as mgr:
         for step in range(1, 6):
             mgr.save(step, trained(state, step), force=True)
         mgr.wait()
@@ -280,7 +282,9 @@ def test_incremental_retention_converges_at_once(s3: Any, bucket: str, writers: 
     taking turns on one run, too)."""
     state, url = model(), f"s3://{bucket}/run"
     managers = [
-        CheckpointManager(url, keep_last=1, config=s3.config(**PARTS), incremental=True)
+        CheckpointManager(
+            url, keep_last=1, saving=SavePolicy(incremental=True), config=s3.config(**PARTS)
+        )
         for _ in range(writers)
     ]
     for step in range(1, 7):
@@ -302,7 +306,8 @@ def test_incremental_retention_converges_at_once(s3: Any, bucket: str, writers: 
 def test_the_managers_full_every_saves_in_full_once_per_window(s3: Any, bucket: str) -> None:
     state, url = model(), f"s3://{bucket}/run"
     config = s3.config(**PARTS)
-    with CheckpointManager(url, config=config, incremental=True, full_every=3) as mgr:
+    saving = SavePolicy(incremental=True, full_every=3)
+    with CheckpointManager(url, saving=saving, config=config) as mgr:
         for step in range(1, 6):
             mgr.save(step, trained(state, step), force=True)
         mgr.wait()

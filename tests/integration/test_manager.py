@@ -28,8 +28,10 @@ from s3ckpt import (
     CheckpointManager,
     CheckpointReplaced,
     ChecksumMismatch,
+    Retention,
     S3Reader,
     S3Writer,
+    SavePolicy,
 )
 from s3ckpt.format import layout
 from s3ckpt.format.layout import step_name
@@ -94,10 +96,13 @@ class Interrupting(DefaultLoadPlanner):
 
 POLICIES = {
     "keep_last=3": ({"keep_last": 3}, [18, 19, 20]),
-    "keep_every=6": ({"keep_every": 6}, [6, 12, 18, 20]),
-    "keep_last=2,keep_every=7": ({"keep_last": 2, "keep_every": 7}, [7, 14, 19, 20]),
+    "keep_every=6": ({"retention": Retention(keep_every=6)}, [6, 12, 18, 20]),
+    "keep_last=2,keep_every=7": (
+        {"retention": Retention(keep_last=2, keep_every=7)},
+        [7, 14, 19, 20],
+    ),
     "keep=odd,keep_last=1": (
-        {"keep": lambda s: s % 2 == 1, "keep_last": 1},
+        {"retention": Retention(keep_last=1, keep=lambda s: s % 2 == 1)},
         [*range(1, 20, 2), 20],
     ),
     "none": ({}, list(range(1, 21))),
@@ -120,7 +125,7 @@ def test_retention_over_twenty_saves(s3: Any, bucket: str, policy: str) -> None:
 
 def test_continuous_policy_saves_whenever_none_is_in_flight(s3: Any, bucket: str) -> None:
     started = []
-    with manager(s3, bucket, every=10, continuous=True, keep_last=2) as mgr:
+    with manager(s3, bucket, saving=SavePolicy(every=10, continuous=True), keep_last=2) as mgr:
         for step in range(1, 31):
             if mgr.save(step, state(step)):
                 started.append(step)
@@ -136,7 +141,7 @@ def test_continuous_policy_saves_whenever_none_is_in_flight(s3: Any, bucket: str
 def test_should_save_follows_the_schedule_and_sync_saves_commit_at_once(
     s3: Any, bucket: str
 ) -> None:
-    mgr = manager(s3, bucket, every=5, sync=True)
+    mgr = manager(s3, bucket, saving=SavePolicy(every=5, sync=True))
     assert [s for s in range(1, 11) if mgr.should_save(s)] == [5, 10]
     assert not mgr.save(4, state(4))
     assert mgr.save(5, state(5)) and mgr.steps() == [5]  # sync: committed on return
@@ -193,6 +198,27 @@ def test_restore_falls_back_past_a_damaged_newest_checkpoint(
     with manager(s3, bucket) as mgr:
         assert mgr.restore(loaded) == 3
     assert_state(loaded, 3)
+
+
+def test_a_resumed_run_saves_over_the_damaged_step_alone(s3: Any, bucket: str) -> None:
+    """Replacing is decided per save: right after replacing damaged step 3, the same manager
+    (and writer) still refuses to save over step 4, a checkpoint it did not find damaged."""
+    with manager(s3, bucket) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, state(step))
+    damage(s3, bucket, 3, "corrupt")
+    with manager(s3, bucket) as mgr:
+        assert mgr.restore(blank()) == 2
+        dcp.save(state(40), storage_writer=S3Writer(bucket, prefix(4), config=s3.config()))
+        assert mgr.save(3, state(3)) and mgr.save(4, state(4))
+        with pytest.raises(CheckpointExists, match="step 4"):
+            mgr.wait()
+    loaded = blank()
+    with manager(s3, bucket) as mgr:
+        assert mgr.restore(loaded, step=3) == 3
+        assert_state(loaded, 3)
+        assert mgr.restore(loaded, step=4) == 4
+    assert_state(loaded, 40)
 
 
 def test_retention_never_trades_the_loadable_checkpoints_for_a_damaged_newer_one(
@@ -291,7 +317,7 @@ def test_restore_of_a_given_step_raises_and_a_run_that_never_loads_says_why(
 
 
 def test_retention_spares_the_data_a_manager_is_reading(s3: Any, bucket: str) -> None:
-    writer = manager(s3, bucket, keep_last=1, sync=True)
+    writer = manager(s3, bucket, keep_last=1, saving=SavePolicy(sync=True))
     for step in (1, 2):
         writer.save(step, state(step))
     assert writer.steps() == [2]

@@ -10,7 +10,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.planner import SavePlanner
 
-from s3ckpt import CheckpointManager, S3Reader, S3Writer
+from s3ckpt import CheckpointManager, S3Reader, S3Writer, SavePolicy
 from s3ckpt.dcp.planning import CachingSavePlanner
 from s3ckpt.format import layout
 from tests.helpers import listing
@@ -86,7 +86,8 @@ def test_a_state_whose_structure_changed_is_planned_afresh(
 def test_repeated_manager_saves_load_when_the_state_changes(
     s3: Any, bucket: str, sync: bool
 ) -> None:
-    with CheckpointManager(f"s3://{bucket}/run", config=s3.config(), sync=sync) as mgr:
+    saving = SavePolicy(sync=sync)
+    with CheckpointManager(f"s3://{bucket}/run", saving=saving, config=s3.config()) as mgr:
         states = []
         for step in range(4):
             state: dict[str, Any] = {"w": torch.full((500,), float(step)), "step": step}
