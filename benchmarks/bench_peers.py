@@ -74,7 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--no-proxy", action="store_true", help="no request counting proxy")
     p.add_argument("--keep-ceph", action="store_true", help="leave a Ceph it started running")
-    p.add_argument("--png", type=Path, default=RESULTS / "peers.png")
+    p.chart(RESULTS / "peers.png", "--png")
     p.repeat(3)
     p.seed()
     p.timeout("300 s + 240 s per GiB")
@@ -423,8 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     report = chart.report(bench, args, machine, ep, started)
     write_json(args.json, report)
     print(chart.text(report))
-    if chart.plot(report, args.png):
-        print(f"chart: {args.png}")
+    if chart.plot(report, args.chart):
+        print(f"chart: {args.chart}")
     print(f"JSON: {args.json}")
     for failure in bench.failures:
         print(f"FAILED: {failure}", file=sys.stderr)

@@ -81,7 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoints", type=count, default=4)
     p.add_argument("--modes", nargs="+", choices=MODES, help="default: all, peers where installed")
     p.add_argument("--sweep", nargs="*", type=count, metavar="N", help="intervals for thread mode")
-    p.add_argument("--chart", type=Path, default=ROOT / "docs" / "training-overhead.png")
+    p.chart(ROOT / "docs" / "training-overhead.png")
     p.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU host")
     p.repeat(3)
     p.cores()

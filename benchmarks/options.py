@@ -27,7 +27,7 @@ from typing import Any
 
 from s3ckpt.config import MiB, S3Config
 
-from .common import RESULTS, Endpoint, s3_endpoint
+from .common import RESULTS, ROOT, Endpoint, s3_endpoint
 
 __all__ = ["Parser", "endpoint", "positive_float", "positive_int"]
 
@@ -110,6 +110,13 @@ class Parser(argparse.ArgumentParser):
         others = "".join(f"; --{d.replace('_', '-')}: {n}" for d, n in variants.items())
         help = f"where the JSON report goes (default benchmarks/results/{name}{others})"
         self.add_argument("--json", type=Path, metavar="PATH", help=help)
+
+    def chart(self, default: Path, *aliases: str) -> None:
+        """``--chart``: where the benchmark draws its chart (``aliases``: other names for it)."""
+        help = f"where the chart goes (default {default.relative_to(ROOT)})"
+        self.add_argument(
+            "--chart", *aliases, type=Path, default=default, metavar="PATH", help=help
+        )
 
     def repeat(self, default: int, quick: int | None = None, kept: str = "the medians") -> None:
         """``--repeat``: timed repetitions of every case, of which ``kept`` are reported."""

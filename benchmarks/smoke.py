@@ -31,6 +31,7 @@ class Case:
     module: str
     argv: str  # split on spaces
     server: bool = True  # takes --endpoint-url, --access-key, --secret-key, --bucket
+    chart: bool = False  # takes --chart (its default may be a tracked file: docs/*.png)
     timeout_s: float = 240.0
 
 
@@ -45,6 +46,7 @@ CASES = [
     Case(
         "bench_peers",
         "--systems s3ckpt raw --workloads large --size-gib 0.005 --repeat 1 --no-proxy",
+        chart=True,
     ),
     Case(
         "bench_throttle",
@@ -54,6 +56,7 @@ CASES = [
         "bench_training",
         "--width 64 --layers 1 --batch 4 --interval 2 --checkpoints 2 --modes none thread "
         "--repeat 1",
+        chart=True,
     ),
     Case("bench_safetensors", "--size-gib 0.02 --repeat 1"),
     Case("bench_coordinator", "--ranks 4 --chunks 20 --commit-ranks 8 --latency-ms 5"),
@@ -67,6 +70,7 @@ CASES = [
 def run(case: Case, server: SeaweedFS | None, out: Path) -> tuple[str, float, str]:
     argv = [sys.executable, "-m", f"benchmarks.{case.module}", *case.argv.split()]
     argv += ["--json", str(out / f"{case.module}.json")]
+    argv += ["--chart", str(out / f"{case.module}.png")] if case.chart else []
     if case.server and server is not None:
         endpoint, bucket = server.endpoint, f"smoke-{case.module.replace('_', '-')}"
         config = S3Config(
