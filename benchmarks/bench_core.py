@@ -32,9 +32,9 @@ import torch
 
 from s3ckpt.config import MiB, S3Config
 
+from . import options
 from .common import (
     GB,
-    RESULTS,
     ROOT,
     Endpoint,
     cpu_since,
@@ -42,8 +42,8 @@ from .common import (
     format_table,
     machine_info,
     median,
-    s3_endpoint,
     server_cpu_seconds,
+    write_json,
 )
 from .raw import RawClient, object_ranges
 from .workload import S3CKPT_CASES, run_case, state_bytes, state_specs
@@ -55,35 +55,27 @@ _CEILING = {"save": "raw_upload", "async_save": "raw_upload", "load": "raw_downl
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    defaults = S3Config()
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_core", description=__doc__)
-    p.add_argument("--size-gib", type=float, default=1.0, help="state dict size (GiB)")
-    p.add_argument("--repeat", type=int, default=3, help="repetitions; medians are reported")
-    p.add_argument("--endpoint-url", help="S3 endpoint; default: a local SeaweedFS")
-    p.add_argument("--access-key", help="with --endpoint-url")
-    p.add_argument("--secret-key", help="with --endpoint-url")
-    p.add_argument("--region", help="default: the AWS sources, else us-east-1")
-    p.add_argument("--bucket", default="s3ckpt-bench", help="created if missing")
-    p.add_argument("--part-size-mib", type=int, default=defaults.part_size // MiB)
-    p.add_argument("--concurrency", type=int, default=defaults.max_concurrency)
+    p = options.Parser(__file__, __doc__)
+    p.size_gib(1.0, "state dict")
     p.add_argument(
         "--checksum",
         choices=("auto", "crc32c", "md5", "off"),
-        default=defaults.checksum,
+        default=S3Config().checksum,
         help="s3ckpt's wire checksums (the raw client sends none): 'off' prices them",
     )
-    p.add_argument("--json", type=Path, default=RESULTS / "core.json")
     p.add_argument("--only", nargs="+", choices=CASES, default=list(CASES), metavar="CASE")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout-s", type=float, help="per case; default 300 s + 120 s per GiB")
+    p.repeat(3)
+    p.seed()
+    p.part_size()
+    p.concurrency()
+    p.timeout("300 s + 120 s per GiB")
+    p.server()
+    p.json("core.json")
     # Internal: one s3ckpt case in a fresh process (credentials come through the environment).
-    p.add_argument("--child", choices=S3CKPT_CASES, help=argparse.SUPPRESS)
+    p.child(choices=S3CKPT_CASES)
     p.add_argument("--prefix", help=argparse.SUPPRESS)
     p.add_argument("--verify", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.size_gib <= 0 or args.repeat < 1:
-        p.error("--size-gib must be > 0 and --repeat >= 1")
+    args = p.parse(argv)
     if args.timeout_s is None:
         args.timeout_s = 300.0 + 120.0 * args.size_gib
     return args
@@ -327,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         return child_main(args)
     started, machine = time.time(), machine_info()
-    with s3_endpoint(args.endpoint_url, args.access_key, args.secret_key, args.region) as ep:
+    with options.endpoint(args) as ep:
         bench = Bench(args, ep)
         print(
             f"s3ckpt core benchmark: {bench.size / MiB:.0f} MiB state ({len(bench.specs)} tensors),"
@@ -359,8 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": bench.warmup,
         "failures": bench.failures,
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2))
+    write_json(args.json, report)
     print(_table(summary))
     stall = _stall_line(summary)
     if stall:

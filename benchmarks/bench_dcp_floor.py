@@ -21,12 +21,10 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import logging
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,7 +38,8 @@ from torch.futures import Future
 from s3ckpt.config import MiB
 from s3ckpt.dcp.staging import StagingBuffers
 
-from .common import GB, RESULTS, format_table, machine_info
+from . import options
+from .common import GB, format_table, machine_info, write_json
 from .dcp_load_floor import run_load_floor, uniform_small_specs
 from .peers import workload_specs
 from .workload import build_state, state_bytes
@@ -104,20 +103,17 @@ class NullWriter(StorageWriter):
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_dcp_floor", description=__doc__)
-    p.add_argument("--size-gib", type=float, default=2.0, help="large workload size (GiB)")
-    p.add_argument("--small-count", type=int, default=20_000, help="small workload tensors")
-    p.add_argument("--repeat", type=int, default=5, help="timed saves per case; medians")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, help="default: results/dcp-floor.json, -load-floor")
+    p = options.Parser(__file__, __doc__)
+    count = options.positive_int
+    p.size_gib(2.0, "large workload")
+    p.add_argument("--small-count", type=count, default=20_000, help="small workload tensors")
     p.add_argument("--load", action="store_true", help="the load floor (needs SeaweedFS)")
-    p.add_argument("--load-count", type=int, default=20_000, help="tensors of 4-64 KiB")
-    p.add_argument("--trainer-core", type=int, default=0)
-    p.add_argument("--server-core", type=int, default=1)
-    args = p.parse_args(argv)
-    if args.size_gib <= 0 or args.small_count < 1 or args.repeat < 1:
-        p.error("--size-gib, --small-count and --repeat must be positive")
-    return args
+    p.add_argument("--load-count", type=count, default=20_000, help="tensors of 4-64 KiB")
+    p.repeat(5)
+    p.seed()
+    p.cores()
+    p.json("dcp-floor.json", load="dcp-load-floor.json")
+    return p.parse(argv)
 
 
 def _save(state: dict[str, torch.Tensor], writer: NullWriter, level: int) -> tuple[float, float]:
@@ -143,11 +139,8 @@ def load_main(args: argparse.Namespace) -> int:
     row += [summary["s3ckpt_us_per_tensor"], summary["floor_cpu_s"], summary["s3ckpt_cpu_s"]]
     row += [summary["transfer_cpu_s"], summary["cpu_ratio"]]
     print(format_table(headers, [row]))
-    path = args.json or RESULTS / "dcp-load-floor.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    report = {"machine": machine_info(), "settings": vars(args) | {"json": str(path)}}
-    path.write_text(json.dumps(report | {"summary": summary}, indent=2) + "\n")
-    print(f"wrote {path}")
+    write_json(args.json, {"machine": machine_info(), "settings": vars(args), "summary": summary})
+    print(f"wrote {args.json}")
     return 0
 
 
@@ -191,11 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         run.update(stall_median_s=stall, total_median_s=total)
     headers = ["workload/DCP logging", "tensors", "GB", "stall s", "total s", "after stall µs/t"]
     print(format_table(headers, rows))
-    path = args.json or RESULTS / "dcp-floor.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    report = {"machine": machine_info(), "settings": vars(args) | {"json": str(path)}}
-    path.write_text(json.dumps(report | {"runs": runs}, indent=2) + "\n")
-    print(f"wrote {path}")
+    write_json(args.json, {"machine": machine_info(), "settings": vars(args), "runs": runs})
+    print(f"wrote {args.json}")
     return 0
 
 

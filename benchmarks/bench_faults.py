@@ -22,6 +22,8 @@ GET, HEAD, PUT or DELETE once when a reused connection is reset before the answe
     python -m benchmarks.bench_faults --cycles 5
     python -m benchmarks.bench_faults --only scenarios
     python -m benchmarks.bench_faults --endpoint-url http://s3.example --access-key K --secret-key S
+
+An ``--endpoint-url`` must be plain http: the fault proxy in front of it forwards plain http.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import logging
 import multiprocessing
 import os
@@ -41,7 +42,6 @@ import tempfile
 import time
 from collections import Counter
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import boto3
@@ -67,7 +67,8 @@ from s3ckpt.testing.faultproxy import (
 from s3ckpt.tools.catalog import gc
 from s3ckpt.tools.localserver import SeaweedFS
 
-from .common import GB, RESULTS, Endpoint, format_table, machine_info, median, s3_endpoint
+from . import options
+from .common import GB, Endpoint, format_table, machine_info, median, write_json
 
 KINDS: dict[str, Action] = {
     "500 InternalError": Status(500, "InternalError"),
@@ -83,31 +84,27 @@ _KILL_DEADLINE_S = 120.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    defaults = S3Config()
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_faults", description=__doc__)
-    p.add_argument("--cycles", type=int, default=50, help="save/load cycles per phase")
+    p = options.Parser(__file__, __doc__)
+    count = options.positive_int
+    p.add_argument("--cycles", type=count, default=50, help="save/load cycles per phase")
     p.add_argument("--size-mib", type=float, default=64.0, help="state dict size (MiB)")
     p.add_argument("--fault-rate", type=float, default=0.10, help="share of requests that fail")
     # At 10% per request, 5 attempts (the default) give up on 1 request in 100,000: about 2% of
     # 50-cycle runs would fail for that alone. With 10, 1 in 10^10.
-    p.add_argument("--max-attempts", type=int, default=10, help="s3ckpt's attempts per request")
-    p.add_argument("--part-size-mib", type=int, default=defaults.part_size // MiB)
-    p.add_argument("--concurrency", type=int, default=defaults.max_concurrency)
-    p.add_argument("--endpoint-url", help="S3 endpoint (plain http); default: a local SeaweedFS")
-    p.add_argument("--access-key", help="with --endpoint-url")
-    p.add_argument("--secret-key", help="with --endpoint-url")
-    p.add_argument("--region", help="default: the AWS sources, else us-east-1")
-    p.add_argument("--bucket", default="s3ckpt-bench", help="created if missing")
-    p.add_argument("--seed", type=int, default=0, help="state contents and the faults' draws")
+    p.add_argument("--max-attempts", type=count, default=10, help="s3ckpt's attempts per request")
     p.add_argument(
         "--only",
         choices=("cycles", "scenarios"),
         help="run only the fault-rate cycles or only the one-fault scenarios (default: both)",
     )
-    p.add_argument("--json", type=Path, default=RESULTS / "faults.json")
-    args = p.parse_args(argv)
-    if args.cycles < 1 or not 0 <= args.fault_rate < 1 or args.max_attempts < 1:
-        p.error("--cycles and --max-attempts must be >= 1, --fault-rate in [0, 1)")
+    p.seed()
+    p.part_size()
+    p.concurrency()
+    p.server()
+    p.json("faults.json")
+    args = p.parse(argv)
+    if not 0 <= args.fault_rate < 1:
+        p.error("--fault-rate must be in [0, 1)")
     if _big_bytes(int(args.size_mib * MiB)) <= args.part_size_mib * MiB:
         p.error("--size-mib must be over 1.6 x --part-size-mib: one tensor is uploaded in parts")
     return args
@@ -550,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     report: dict[str, Any] = {"machine": machine_info()}
     if args.only != "scenarios":
-        with s3_endpoint(args.endpoint_url, args.access_key, args.secret_key, args.region) as ep:
+        with options.endpoint(args) as ep:
             client = backdoor(ep)
             if args.bucket not in {b["Name"] for b in client.list_buckets().get("Buckets", [])}:
                 client.create_bucket(Bucket=args.bucket)
@@ -564,8 +561,7 @@ def main(argv: list[str] | None = None) -> int:
         report["scenarios"] = run_all_scenarios(args)
         report.setdefault("goals", {})["scenarios_ok"] = _scenarios_ok(report["scenarios"])
     report["wall_s"] = time.time() - started
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2, default=str))
+    write_json(args.json, report)
     if args.only != "scenarios":
         print(summarize(report))
     if args.only != "cycles":

@@ -31,18 +31,19 @@ import torch.distributed.checkpoint as dcp
 
 from s3ckpt import S3Writer
 
+from . import options
 from .bench_training import create_bucket
-from .common import RESULTS, ROOT, s3_endpoint
+from .common import ROOT, s3_endpoint, write_json
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_gpu", description=__doc__)
+    p = options.Parser(__file__, __doc__)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--gib", type=float, default=1.0, help="state size for the stall check")
-    p.add_argument("--saves", type=int, default=4)
+    p.size_gib(1.0, "state of the stall check")
+    p.add_argument("--saves", type=options.positive_int, default=4)
     p.add_argument("--skip-training", action="store_true")
-    p.add_argument("--json", type=Path, default=RESULTS / "gpu.json")
-    return p.parse_args(argv)
+    p.json("gpu.json")
+    return p.parse(argv)
 
 
 def _state(gib: float, device: str) -> dict[str, torch.Tensor]:
@@ -57,7 +58,7 @@ def _sync(device: str) -> None:
 
 
 def stall_and_reuse(args: argparse.Namespace, config: Any, bucket: str) -> dict[str, Any]:
-    state = _state(args.gib, args.device)
+    state = _state(args.size_gib, args.device)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     pin = args.device.startswith("cuda")
     kept = {k: torch.empty_like(t, device="cpu", pin_memory=pin) for k, t in state.items()}
@@ -138,8 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"staging buffers pinned: {s['staging_pinned']}, reused: {s['staging_reused']}")
     if not args.skip_training:
         report["training"] = training(args)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2))
+    write_json(args.json, report)
     print(f"JSON: {args.json}")
     return 0 if s["staging_reused"] and s["staging_pinned"] == args.device.startswith("cuda") else 1
 

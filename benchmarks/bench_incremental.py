@@ -44,17 +44,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib
-import json
 import math
 import os
-import secrets
 import sys
 import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -71,9 +68,9 @@ from s3ckpt.format.digests import digest
 from s3ckpt.format.tensorbytes import as_flat_bytes
 from s3ckpt.tools import catalog
 
+from . import options
 from .common import (
     GB,
-    RESULTS,
     Endpoint,
     MiB,
     cpu_since,
@@ -82,8 +79,8 @@ from .common import (
     machine_info,
     median,
     pin_threads,
-    s3_endpoint,
     server_cpu_seconds,
+    write_json,
 )
 
 CASES = ("full", "incremental")
@@ -92,68 +89,33 @@ GiB = 1024 * MiB
 # full checkpoint, incremental / full durable when everything changes.
 UPLOAD_GOAL, SPEEDUP_GOAL, STORAGE_GOAL, OVERHEAD_GOAL = 1.1, 10.0, 1.5, 1.05
 _MIN_HASH_S = 0.3  # each hash timing runs at least this long
-# What --quick and the defaults set, unless given on the command line.
-DEFAULTS: dict[str, Any] = {
-    "base_gib": 1.0,
-    "hidden": 2048,
-    "full_saves": 4,
-    "pretrain_mib": 256.0,
-    "pretrain_saves": 5,
-    "hash_mib": 64,
-    "tensor_mib": 256,
-    "repeat": 3,
-}
-QUICK: dict[str, Any] = {
-    "base_gib": 1 / 16,
-    "hidden": 512,
-    "full_saves": 2,
-    "pretrain_mib": 32.0,
-    "pretrain_saves": 3,
-    "hash_mib": 16,
-    "tensor_mib": 32,
-    "repeat": 1,
-}
-
 State = dict[str, Any]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.bench_incremental",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = options.Parser(__file__, __doc__)
+    count = options.positive_int
     p.add_argument("--hashes", action="store_true", help="run part 1 (default: every part)")
     p.add_argument("--finetune", action="store_true", help="run part 2")
     p.add_argument("--pretrain", action="store_true", help="run part 3")
-    p.add_argument("--quick", action="store_true", help="a smoke run: small sizes, 1 repetition")
-    p.add_argument("--base-gib", type=float, help="frozen base (default 1.0)")
-    p.add_argument("--hidden", type=int, help="fine-tuned model's width (default 2048)")
+    p.quick("small sizes, 1 repetition")
+    p.scaled("--base-gib", 1.0, 1 / 16, "frozen base", type=options.positive_float)
+    p.scaled("--hidden", 2048, 512, "fine-tuned model's width", type=count)
     p.add_argument("--saves", type=int, default=10, help="checkpoints of an incremental run")
-    p.add_argument("--full-saves", type=int, help="checkpoints of a full run (default 4)")
-    p.add_argument("--pretrain-mib", type=float, help="pretraining state (default 256)")
-    p.add_argument("--pretrain-saves", type=int, help="checkpoints per pretraining run (5)")
-    p.add_argument("--hash-mib", type=int, help="random bytes hashed (default 64)")
-    p.add_argument("--tensor-mib", type=int, help="fp32 tensor digest() hashes (default 256)")
-    p.add_argument("--repeat", type=int, help="repetitions of every case (default 3)")
-    p.add_argument("--client-core", type=int, default=0)
-    p.add_argument("--server-core", type=int, default=max(0, (os.cpu_count() or 2) - 1))
-    p.add_argument("--json", type=Path, help="default results/incremental[-quick].json")
-    p.add_argument("--endpoint-url", help="S3 endpoint; default: a local SeaweedFS")
-    p.add_argument("--access-key", help="with --endpoint-url")
-    p.add_argument("--secret-key", help="with --endpoint-url")
-    p.add_argument("--region")
-    p.add_argument("--bucket", default=f"bench-incremental-{secrets.token_hex(3)}")
-    args = p.parse_args(argv)
-    for name, value in (QUICK if args.quick else DEFAULTS).items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    if args.json is None:
-        args.json = RESULTS / ("incremental-quick.json" if args.quick else "incremental.json")
+    p.scaled("--full-saves", 4, 2, "checkpoints of a full run", type=count)
+    p.scaled("--pretrain-mib", 256.0, 32.0, "pretraining state", type=options.positive_float)
+    p.scaled("--pretrain-saves", 5, 3, "checkpoints per pretraining run", type=int)
+    p.scaled("--hash-mib", 64, 16, "random bytes hashed", type=count)
+    p.scaled("--tensor-mib", 256, 32, "fp32 tensor digest() hashes", type=count)
+    p.repeat(3, quick=1)
+    p.cores()
+    p.server(bucket="bench-incremental-")
+    p.json("incremental.json")
+    args = p.parse(argv)
     if not (args.hashes or args.finetune or args.pretrain):
         args.hashes = args.finetune = args.pretrain = True
-    if args.saves < 2 or args.full_saves < 1 or args.pretrain_saves < 2 or args.repeat < 1:
-        p.error("--saves and --pretrain-saves need 2 or more, --full-saves and --repeat 1")
+    if args.saves < 2 or args.pretrain_saves < 2:
+        p.error("--saves and --pretrain-saves need 2 or more")
     return args
 
 
@@ -237,10 +199,10 @@ def hash_part(args: argparse.Namespace) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(1)
     tensor = torch.rand(args.tensor_mib * MiB // 4, generator=generator)
     hashers, notes = _hashers(buffer, tensor)
-    cores = {args.client_core, args.server_core}
+    cores = {args.trainer_core, args.server_core}
     if len(cores) < 2:
         notes.append("one core only: no two-thread timings")
-    print(f"part 1: hashes on core {args.client_core}; two threads on cores {sorted(cores)}")
+    print(f"part 1: hashes on core {args.trainer_core}; two threads on cores {sorted(cores)}")
     runs: dict[str, list[dict[str, float]]] = {name: [] for name, *_ in hashers}
     for rep in range(args.repeat):
         for name, _, call, nbytes in hashers:
@@ -784,22 +746,22 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
     report["machine"] = machine
     if hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {args.client_core})
+        os.sched_setaffinity(0, {args.trainer_core})
     tables: list[str] = []  # printed together at the end, after the progress lines
     if args.hashes:  # before the server starts: the two-thread timings use its core
         report["hashes"] = hash_part(args)
         tables.append("part 1: hashes\n" + hash_table(report["hashes"]))
     goals: list[dict[str, Any]] = []
     if args.finetune or args.pretrain:
-        with s3_endpoint(args.endpoint_url, args.access_key, args.secret_key, args.region) as ep:
+        with options.endpoint(args) as ep:
             pinned = pin_threads(ep.server_pid, args.server_core)
-            pinned = pin_threads(0, args.client_core) and pinned
+            pinned = pin_threads(0, args.trainer_core) and pinned
             config = ep.config(part_size=16 * MiB, max_concurrency=8)
             store = get_store(config)
             bridge.run(store.create_bucket(args.bucket))
             report |= {"server": ep.server, "server_pinned": pinned}
             print(
-                f"client on core {args.client_core}, server "
+                f"client on core {args.trainer_core}, server "
                 f"{f'on core {args.server_core}' if pinned else 'unpinned'}; {ep.server}",
                 flush=True,
             )
@@ -817,8 +779,7 @@ def main(argv: list[str] | None = None) -> int:
         tables.append("goals\n" + goals_table(goals))
     print("\n\n".join(tables))
     report |= {"goals": goals, "wall_s": time.perf_counter() - began}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2))
+    write_json(args.json, report)
     print(f"{time.perf_counter() - began:.0f} s; JSON: {args.json}")
     return 0
 

@@ -31,15 +31,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import secrets
 import statistics
 import sys
 import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,29 +49,26 @@ from s3ckpt.engine import bridge
 from s3ckpt.engine.store import get_store
 from s3ckpt.tools import catalog
 
-from .common import RESULTS, MiB, format_table, machine_info, median, pin_threads, s3_endpoint
+from . import options
+from .common import MiB, format_table, machine_info, median, pin_threads, s3_endpoint
 
 SAVE_CASES = ("bare", "manager", "manager+keep")
 LOOP_CASES = ("every", "continuous")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_manager", description=__doc__)
-    p.add_argument("--width", type=int, default=1024, help="MLP width (1024: 50 MB of state)")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--interval", type=int, default=40, help="steps between checkpoints")
-    p.add_argument("--saves", type=int, default=5, help="checkpoints per timed loop")
-    p.add_argument("--repeat", type=int, default=3, help="repetitions of every case")
-    p.add_argument("--trainer-core", type=int, default=0)
-    p.add_argument("--server-core", type=int, default=max(0, (os.cpu_count() or 2) - 1))
-    p.add_argument("--json", type=Path, default=RESULTS / "manager.json")
-    p.add_argument("--endpoint-url", help="S3 endpoint; default: a local SeaweedFS")
-    p.add_argument("--access-key", help="with --endpoint-url")
-    p.add_argument("--secret-key", help="with --endpoint-url")
-    p.add_argument("--region")
-    p.add_argument("--bucket", default=f"bench-manager-{secrets.token_hex(3)}")
-    return p.parse_args(argv)
+    p = options.Parser(__file__, __doc__)
+    count = options.positive_int
+    p.add_argument("--width", type=count, default=1024, help="MLP width (1024: 50 MB of state)")
+    p.add_argument("--layers", type=count, default=4)
+    p.add_argument("--batch", type=count, default=64)
+    p.add_argument("--interval", type=count, default=40, help="steps between checkpoints")
+    p.add_argument("--saves", type=count, default=5, help="checkpoints per timed loop")
+    p.repeat(3)
+    p.cores()
+    p.server(bucket="bench-manager-")
+    p.json("manager.json")
+    return p.parse(argv)
 
 
 class Trainer:

@@ -47,15 +47,8 @@ from typing import Any
 from s3ckpt.config import MiB
 from s3ckpt.tools.localserver import free_port
 
-from . import chart
-from .common import (
-    RESULTS,
-    ROOT,
-    CountingProxy,
-    Endpoint,
-    machine_info,
-    s3_endpoint,
-)
+from . import chart, options
+from .common import RESULTS, ROOT, CountingProxy, Endpoint, machine_info, write_json
 from .peer_cases import child_main
 from .peers import SYSTEMS, WORKLOADS, Target, peer_env
 from .raw import RawClient
@@ -67,17 +60,13 @@ _GiB = 1024 * MiB
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_peers", description=__doc__)
-    p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.add_argument("--size-gib", type=float, default=2.0, help="large state dict size (GiB)")
-    p.add_argument("--small-count", type=int, default=20_000, help="tensors in 'small'")
-    p.add_argument("--repeat", type=int, default=3, help="repetitions; medians are reported")
-    p.add_argument("--server", choices=("seaweedfs", "ceph"), default="seaweedfs")
-    p.add_argument("--endpoint-url", help="an existing S3 endpoint instead of --server")
-    p.add_argument("--access-key", help="with --endpoint-url")
-    p.add_argument("--secret-key", help="with --endpoint-url")
-    p.add_argument("--region", default="us-east-1")
-    p.add_argument("--bucket", default="s3ckpt-peers", help="created if missing")
+    p = options.Parser(__file__, __doc__)
+    p.size_gib(2.0, "large state dict")
+    p.add_argument(
+        "--small-count", type=options.positive_int, default=20_000, help="tensors in 'small'"
+    )
+    help = "the server to start unless --endpoint-url (ceph: benchmarks/ceph/*.sh)"
+    p.add_argument("--server", choices=("seaweedfs", "ceph"), default="seaweedfs", help=help)
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     p.add_argument(
@@ -85,15 +74,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--no-proxy", action="store_true", help="no request counting proxy")
     p.add_argument("--keep-ceph", action="store_true", help="leave a Ceph it started running")
-    p.add_argument("--json", type=Path, default=RESULTS / "peers.json")
-    p.add_argument("--png", type=Path, default=RESULTS / "peers.png")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout-s", type=float, help="per case; default 300 s + 240 s per GiB")
-    p.add_argument("--child", help=argparse.SUPPRESS)  # internal: one case, as JSON
-    p.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.size_gib <= 0 or args.repeat < 1 or args.small_count < 1:
-        p.error("--size-gib, --repeat and --small-count must be positive")
+    p.chart(RESULTS / "peers.png", "--png")
+    p.repeat(3)
+    p.seed()
+    p.timeout("300 s + 240 s per GiB")
+    p.server(bucket="s3ckpt-peers")
+    p.json("peers.json")
+    p.child()  # one case, as JSON
+    args = p.parse(argv)
+    args.region = args.region or "us-east-1"  # the peers' clients want one named
     if args.tuned != "auto":
         try:
             part, conc = (int(v) for v in args.tuned.split(","))
@@ -378,7 +367,7 @@ def _merge_ranks(ranks: list[dict[str, Any]]) -> dict[str, Any]:
 def server(args: argparse.Namespace) -> Iterator[Endpoint]:
     """The endpoint: given, a throwaway SeaweedFS, or Ceph RGW via benchmarks/ceph/*.sh."""
     if args.endpoint_url or args.server == "seaweedfs":
-        with s3_endpoint(args.endpoint_url, args.access_key, args.secret_key, args.region) as ep:
+        with options.endpoint(args) as ep:
             yield ep
         return
     was_up = (
@@ -432,11 +421,10 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             bench.close()
     report = chart.report(bench, args, machine, ep, started)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2))
+    write_json(args.json, report)
     print(chart.text(report))
-    if chart.plot(report, args.png):
-        print(f"chart: {args.png}")
+    if chart.plot(report, args.chart):
+        print(f"chart: {args.chart}")
     print(f"JSON: {args.json}")
     for failure in bench.failures:
         print(f"FAILED: {failure}", file=sys.stderr)

@@ -5,11 +5,11 @@ inline JSON of versions 1 and 2.
 the record of an FSDP-style save (every tensor ``Shard(0)`` over ``--ranks`` ranks, one chunk
 per rank, 4 objects per rank, bfloat16) is built as DCP hands it to the writer and encoded by
 today's encoder and by the last one that wrote versions 1-2 (loaded from git, commit
-`OLD_ENCODER`; without git the old shape comes from `tests.recordshapes.inline` and its encode
-is not timed), then decoded. Times are CPU seconds of this process (the machine may be shared),
-the best of ``--repeat``. "extra chunk" columns are the growth from half the ranks to all of
-them, the tensors staying (as docs/scaling.md counts a chunk); "to DCP" is building DCP's
-``Metadata`` from the decoded record (`Checkpoint.metadata`), which a load does next. Writes
+`OLD_ENCODER`; without git, or in a clone without that commit, the old shape is left out), then
+decoded. Times are CPU seconds of this process (the machine may be shared), the best of
+``--repeat``. "extra chunk" columns are the growth from half the ranks to all of them, the
+tensors staying (as docs/scaling.md counts a chunk); "to DCP" is building DCP's ``Metadata``
+from the decoded record (`Checkpoint.metadata`), which a load does next. Writes
 ``benchmarks/results/record.json``.
 """
 
@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import random
 import subprocess
 import sys
 import time
 import types
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,11 +34,11 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from benchmarks.common import RESULTS, ROOT, format_table, machine_info
+from benchmarks import options
+from benchmarks.common import ROOT, format_table, machine_info, write_json
 from s3ckpt.format.frames import FrameTable
 from s3ckpt.format.record import Locator, decode, encode
 from s3ckpt.format.record.torchmeta import to_dcp
-from tests.recordshapes import inline
 
 OLD_ENCODER = "2234e1b"  # the last commit whose encoder wrote versions 1 and 2
 URL = "s3://b/p/.metadata"
@@ -49,18 +47,19 @@ _FRAME = 4 << 20
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_record", description=__doc__)
-    p.add_argument("--chunks", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
-    p.add_argument("--ranks", type=int, default=128, help="chunks per tensor")
-    p.add_argument("--repeat", type=int, default=3, help="timings per step; the best counts")
-    p.add_argument("--seed", type=int, default=0)
+    p = options.Parser(__file__, __doc__)
+    count = options.positive_int
+    p.add_argument("--chunks", type=count, nargs="+", default=[10_000, 100_000, 1_000_000])
+    p.add_argument("--ranks", type=count, default=128, help="chunks per tensor")
     p.add_argument(
         "--uneven",
         action="store_true",
         help="rows that do not divide by the ranks, shards packed in each rank's own order",
     )
-    p.add_argument("--json", type=Path, default=RESULTS / "record.json")
-    return p.parse_args(argv)
+    p.repeat(3, kept="the best")
+    p.seed()
+    p.json("record.json")
+    return p.parse(argv)
 
 
 Encoder = Callable[..., bytes]
@@ -154,14 +153,12 @@ def point(args: argparse.Namespace, chunks: int, old: Encoder | None) -> dict[st
     extra = tensors * (ranks - ranks // 2)
     sizes = {"all": ranks, "half": ranks // 2}
     for shape, encoder in (("v3", encode), ("inline", old)):
+        if encoder is None:
+            continue
         measured: dict[str, dict[str, float | None]] = {}
         for name, world in sizes.items():
             record = fsdp_record(tensors, world, seed, args.uneven)
-            encode_s, data = (
-                cpu(functools.partial(record, encoder), repeat)
-                if encoder is not None
-                else (None, inline(record(encode)))
-            )
+            encode_s, data = cpu(functools.partial(record, encoder), repeat)
             decode_s, checkpoint = cpu(functools.partial(decode, data, url=URL), repeat)
             dcp_s, _ = cpu(functools.partial(to_dcp, checkpoint), repeat)
             measured[name] = {"bytes": len(data), "encode": encode_s, "decode": decode_s}
@@ -213,16 +210,15 @@ def main(argv: list[str] | None = None) -> int:
         [r["chunks"], shape, *(r[shape][key] for key in _COLUMNS.values())]
         for r in results
         for shape in ("inline", "v3")
+        if shape in r
     ]
     print(format_table(["chunks", "record", *_COLUMNS], rows))
+    inline = f"encoder of commit {OLD_ENCODER}" if old else f"left out: no git, or no {OLD_ENCODER}"
     print(
-        "inline: versions 1-2 (encoder of commit "
-        f"{OLD_ENCODER if old else '-, not timed: no git'}); v3: the item table. us: CPU "
-        "microseconds per chunk; /extra: per chunk added from half the ranks to all"
+        f"inline: versions 1-2 ({inline}); v3: the item table. us: CPU microseconds per chunk; "
+        "/extra: per chunk added from half the ranks to all"
     )
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    document = {"machine": machine_info(), "args": sys.argv[1:], "results": results}
-    args.json.write_text(json.dumps(document, indent=2))
+    write_json(args.json, {"machine": machine_info(), "args": sys.argv[1:], "results": results})
     print(f"wrote {args.json}")
     return 0
 

@@ -4,7 +4,7 @@
 two minutes on 2 cores; ``--quick``: 128 MiB, seconds). The client is pinned to one core and
 the local server to the other, as in the other benchmarks.
 
-A transformer-shaped bf16 model of ``--gib`` (an embedding and an output matrix of 32000 x
+A transformer-shaped bf16 model of ``--size-gib`` (an embedding and an output matrix of 32000 x
 hidden, layers of attention and MLP matrices, fp32 norms) is saved with `S3Writer`; then, with
 the state freed, ``--repeat`` times each:
 
@@ -25,14 +25,11 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import json
 import os
-import secrets
 import tempfile
 import time
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import boto3
@@ -46,9 +43,9 @@ from s3ckpt import S3Config, S3Writer, SafetensorsReader, export_safetensors
 from s3ckpt.engine import bridge
 from s3ckpt.engine.store import get_store
 
+from . import options
 from .common import (
     GB,
-    RESULTS,
     Endpoint,
     MiB,
     RssSampler,
@@ -56,7 +53,7 @@ from .common import (
     machine_info,
     median,
     pin_threads,
-    s3_endpoint,
+    write_json,
 )
 
 VOCAB = 32000
@@ -64,33 +61,16 @@ State = dict[str, torch.Tensor]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.bench_safetensors",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--quick", action="store_true", help="a smoke run: 128 MiB, 1 repetition")
-    p.add_argument("--gib", type=float, help="model size (default 1.0)")
-    p.add_argument("--hidden", type=int, default=2048)
+    p = options.Parser(__file__, __doc__)
+    p.quick("128 MiB, 1 repetition")
+    p.size_gib(1.0, "model", quick=1 / 8)
+    p.scaled("--hidden", 2048, 512, "the model's width", type=options.positive_int)
     p.add_argument("--max-shard-size", default="500MB")
-    p.add_argument("--repeat", type=int, help="repetitions of every case (default 2)")
-    p.add_argument("--client-core", type=int, default=0)
-    p.add_argument("--server-core", type=int, default=max(0, (os.cpu_count() or 2) - 1))
-    p.add_argument("--json", type=Path, help="default results/safetensors[-quick].json")
-    p.add_argument("--endpoint-url", help="S3 endpoint; default: a local SeaweedFS")
-    p.add_argument("--access-key", help="with --endpoint-url")
-    p.add_argument("--secret-key", help="with --endpoint-url")
-    p.add_argument("--region")
-    p.add_argument("--bucket", default=f"bench-safetensors-{secrets.token_hex(3)}")
-    args = p.parse_args(argv)
-    args.gib = args.gib or (1 / 8 if args.quick else 1.0)
-    args.repeat = args.repeat or (1 if args.quick else 2)
-    if args.quick:
-        args.hidden = min(args.hidden, 512)
-    args.json = args.json or RESULTS / (
-        "safetensors-quick.json" if args.quick else "safetensors.json"
-    )
-    return args
+    p.repeat(2, quick=1)
+    p.cores()
+    p.server(bucket="bench-safetensors-")
+    p.json("safetensors.json")
+    return p.parse(argv)
 
 
 def model(gib: float, hidden: int) -> State:
@@ -208,14 +188,14 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     torch.set_num_threads(1)
     machine = machine_info()
-    with s3_endpoint(args.endpoint_url, args.access_key, args.secret_key, args.region) as ep:
-        pinned = pin_threads(ep.server_pid, args.server_core) and pin_threads(0, args.client_core)
+    with options.endpoint(args) as ep:
+        pinned = pin_threads(ep.server_pid, args.server_core) and pin_threads(0, args.trainer_core)
         defaults = S3Config()
         config = ep.config(part_size=defaults.part_size, max_concurrency=defaults.max_concurrency)
         client = _client(ep)
         bridge.run(get_store(config).create_bucket(args.bucket))
         url = f"s3://{args.bucket}/ck"
-        state = model(args.gib, args.hidden)
+        state = model(args.size_gib, args.hidden)
         total, largest = nbytes(state), max(t.numel() * t.element_size() for t in state.values())
         print(
             f"safetensors benchmark: {total / 2**30:.2f} GiB in {len(state)} tensors (largest "
@@ -242,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                 results["export to a local directory"] = _repeat(local, args.repeat)
             results["export to S3"] = _repeat(remote, args.repeat)
             hf = f"hf-{args.repeat}"  # the first export to S3
-            expected = model(args.gib, args.hidden)
+            expected = model(args.size_gib, args.hidden)
             state = {k: torch.empty_like(v) for k, v in expected.items()}
             layers = {int(k.split(".")[1]) for k in state if k.startswith("layers.")}
             half = {
@@ -294,8 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "results": results,
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2))
+    write_json(args.json, report)
     print(f"wrote {args.json}")
     return 0
 

@@ -66,6 +66,7 @@ from s3ckpt.format.layout import Location
 from s3ckpt.format.packing import assign_objects as pack
 from s3ckpt.tools.localserver import free_port
 
+from . import options
 from .common import (
     RESULTS,
     ROOT,
@@ -74,7 +75,7 @@ from .common import (
     format_table,
     machine_info,
     rank_process,
-    s3_endpoint,
+    write_json,
 )
 from .scale_layouts import LAYOUTS, LayoutPoint, layout_table, run_layout_point
 
@@ -693,34 +694,22 @@ def linearity_table(lin: dict[str, Any]) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    defaults = S3Config()
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_scale", description=__doc__)
-    p.add_argument("--axes", nargs="+", choices=AXES, default=list(AXES))
-    p.add_argument("--tensors", nargs="+", type=int, default=[1_000, 10_000, 100_000])
-    p.add_argument("--worlds", nargs="+", type=int, default=[1, 2, 4])
-    p.add_argument("--world-tensors", type=int, default=10_000, help="tensors per rank")
+    p = options.Parser(__file__, __doc__)
+    count = options.positive_int
+    p.quick("the tensors and layouts axes at CI size")
+    p.scaled("--axes", list(AXES), ["tensors", "layouts"], "axes to run", nargs="+", choices=AXES)
+    tensors = [1_000, 10_000, 100_000]
+    p.scaled("--tensors", tensors, [1_000], "the tensors axis", nargs="+", type=count)
+    p.add_argument("--worlds", nargs="+", type=count, default=[1, 2, 4])
+    p.add_argument("--world-tensors", type=count, default=10_000, help="tensors per rank")
     p.add_argument("--dist-mode", choices=("dtensor", "distinct"), default="dtensor")
-    p.add_argument("--sizes-mib", nargs="+", type=int, default=[64, 256])
+    p.add_argument("--sizes-mib", nargs="+", type=count, default=[64, 256])
     p.add_argument("--big", action="store_true", help="add the 1 GiB point to the size axis")
     p.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
-    p.add_argument("--layout-worlds", nargs="+", type=int, default=[8, 16])
-    p.add_argument("--layout-tensors", type=int, default=256, help="64 x 64 fp32 tensors")
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help="CI-size smoke: 1k tensors, and the layouts on 4 ranks with 32 tensors",
-    )
-    p.add_argument("--objects-per-rank", type=int, default=4)
+    p.scaled("--layout-worlds", [8, 16], [4], "ranks of a layout", nargs="+", type=count)
+    p.scaled("--layout-tensors", 256, 32, "64 x 64 fp32 tensors", type=count)
+    p.add_argument("--objects-per-rank", type=count, default=4)
     p.add_argument("--spread-keys", action="store_true", help="WriteOptions(spread_keys=True)")
-    p.add_argument("--part-size-mib", type=int, default=defaults.part_size // MiB)
-    p.add_argument("--concurrency", type=int, default=defaults.max_concurrency)
-    p.add_argument("--timeout-s", type=float, help="per point; default scales with the point")
-    p.add_argument("--endpoint-url", help="S3 endpoint; default: a local SeaweedFS")
-    p.add_argument("--access-key", help="with --endpoint-url")
-    p.add_argument("--secret-key", help="with --endpoint-url")
-    p.add_argument("--region", help="default: the AWS sources, else us-east-1")
-    p.add_argument("--bucket", default="s3ckpt-bench", help="created if missing")
-    p.add_argument("--json", type=Path, default=RESULTS / "scale.json")
     p.add_argument(
         "--gc",
         choices=("default", "freeze", "off"),
@@ -729,13 +718,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--profile", action="store_true", help="cProfile rank 0 of every point")
     p.add_argument("--profile-dir", type=Path, default=RESULTS / "scale-profiles")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.axes, args.tensors, args.layout_worlds = ["tensors", "layouts"], [1000], [4]
-        args.layout_tensors = 32
-    if min(args.tensors + args.worlds + [args.world_tensors] + args.sizes_mib) < 1:
-        p.error("counts and sizes must be positive")
-    return args
+    p.part_size()
+    p.concurrency()
+    p.timeout("scales with the point")
+    p.server()
+    p.json("scale.json")
+    return p.parse(argv)
 
 
 @dataclass
@@ -752,7 +740,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started, machine = time.time(), machine_info()
     run = Run()
-    with s3_endpoint(args.endpoint_url, args.access_key, args.secret_key, args.region) as ep:
+    with options.endpoint(args) as ep:
         config = _config(args, ep)
         bridge.run(get_store(config).create_bucket(args.bucket))
         if args.profile:
@@ -803,8 +791,7 @@ def main(argv: list[str] | None = None) -> int:
     report["settings"]["config"] = {
         k: v for k, v in asdict(config).items() if "key" not in k and "token" not in k
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2, default=str))
+    write_json(args.json, report)
     print(
         "\nSeconds; plan: dcp.save start until write_data is entered (coordinator); write: "
         "write_data until its uploads finish (slowest rank); gather: until finish starts "

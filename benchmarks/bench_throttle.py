@@ -24,18 +24,18 @@ burst" compares with (forwarded - R) / R instead, the least time the rate allows
     python -m benchmarks.bench_throttle --rates 20 --objects 200 --only objects
     python -m benchmarks.bench_throttle --endpoint-url http://s3.example --access-key K \\
         --secret-key S
+
+An ``--endpoint-url`` must be plain http: the proxy in front of it forwards plain http.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import secrets
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -49,8 +49,9 @@ from s3ckpt.engine.contract import ObjectStore
 from s3ckpt.engine.store import get_store
 from s3ckpt.testing.faultproxy import FaultProxy, RateLimit
 
+from . import options
 from .bench_faults import backdoor
-from .common import RESULTS, Endpoint, format_table, machine_info, s3_endpoint
+from .common import Endpoint, format_table, machine_info, write_json
 
 MODES = {"adaptive": True, "off": False}
 _DCP_PART = 5 * MiB
@@ -59,25 +60,19 @@ GOAL_TIME = 1.3
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_throttle", description=__doc__)
-    p.add_argument("--rates", type=float, nargs="+", default=[20.0, 50.0, 100.0])
-    p.add_argument("--objects", type=int, default=400, help="objects of the 'objects' cases")
-    p.add_argument("--object-kib", type=int, default=16)
-    p.add_argument("--dcp-rate", type=float, default=20.0)
-    p.add_argument("--dcp-objects", type=int, default=100, help="objects of the dcp cases")
-    p.add_argument("--concurrency", type=int, default=S3Config().max_concurrency)
+    p = options.Parser(__file__, __doc__)
+    count, rate = options.positive_int, options.positive_float
+    p.add_argument("--rates", type=rate, nargs="+", default=[20.0, 50.0, 100.0])
+    p.add_argument("--objects", type=count, default=400, help="objects of the 'objects' cases")
+    p.add_argument("--object-kib", type=count, default=16)
+    p.add_argument("--dcp-rate", type=rate, default=20.0)
+    p.add_argument("--dcp-objects", type=count, default=100, help="objects of the dcp cases")
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     p.add_argument("--only", choices=("objects", "dcp"), help="one part (default: both)")
-    p.add_argument("--endpoint-url", help="S3 endpoint (plain http); default: a local SeaweedFS")
-    p.add_argument("--access-key", help="with --endpoint-url")
-    p.add_argument("--secret-key", help="with --endpoint-url")
-    p.add_argument("--region", help="default: the AWS sources, else us-east-1")
-    p.add_argument("--bucket", default="s3ckpt-bench", help="created if missing")
-    p.add_argument("--json", type=Path, default=RESULTS / "throttle.json")
-    args = p.parse_args(argv)
-    if min([*args.rates, args.dcp_rate]) <= 0 or args.objects < 1 or args.dcp_objects < 1:
-        p.error("rates must be > 0, object counts >= 1")
-    return args
+    p.concurrency()
+    p.server()
+    p.json("throttle.json")
+    return p.parse(argv)
 
 
 def _config(endpoint: Endpoint, url: str, concurrency: int, adaptive: bool) -> S3Config:
@@ -266,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     report: dict[str, Any] = {"machine": machine_info(), "args": vars(args) | {"json": None}}
     root = f"bench-throttle/{secrets.token_hex(4)}"
-    with s3_endpoint(args.endpoint_url, args.access_key, args.secret_key, args.region) as ep:
+    with options.endpoint(args) as ep:
         client = backdoor(ep)
         if args.bucket not in {b["Name"] for b in client.list_buckets().get("Buckets", [])}:
             client.create_bucket(Bucket=args.bucket)
@@ -280,8 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     adaptive = [r for r in rows if r["limiter"] == "adaptive"]
     report["goals"] = {"adaptive_meets_both": all(r["goals_met"] for r in adaptive)}
     report["wall_s"] = time.time() - started
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2, default=str))
+    write_json(args.json, report)
     print(table(rows))
     print(
         f"goals: 503 share <= {GOAL_REFUSED:.0%}, time <= {GOAL_TIME} x forwarded/R; "

@@ -49,16 +49,16 @@ from typing import Any
 
 from s3ckpt.config import MiB, S3Config
 
+from . import options
 from .common import (
     GB,
-    RESULTS,
     ROOT,
     Endpoint,
     format_table,
     machine_info,
     median,
     pin_threads,
-    s3_endpoint,
+    write_json,
 )
 
 MODES = (
@@ -71,30 +71,25 @@ _LOST_GOAL = 0.05  # the sweep looks for the shortest interval losing less than 
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_training", description=__doc__)
+    p = options.Parser(__file__, __doc__)
+    count = options.positive_int
     p.add_argument("--model", choices=("mlp", "gpt"), default="mlp")
-    p.add_argument("--width", type=int, default=2048, help="MLP width / GPT embedding size")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--interval", type=int, default=25, help="steps between checkpoints")
-    p.add_argument("--checkpoints", type=int, default=4)
+    p.add_argument("--width", type=count, default=2048, help="MLP width / GPT embedding size")
+    p.add_argument("--layers", type=count, default=4)
+    p.add_argument("--batch", type=count, default=64)
+    p.add_argument("--interval", type=count, default=25, help="steps between checkpoints")
+    p.add_argument("--checkpoints", type=count, default=4)
     p.add_argument("--modes", nargs="+", choices=MODES, help="default: all, peers where installed")
-    p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--sweep", nargs="*", type=int, metavar="N", help="intervals for thread mode")
-    p.add_argument("--trainer-core", type=int, default=0)
-    p.add_argument("--server-core", type=int, default=max(0, (os.cpu_count() or 2) - 1))
-    p.add_argument("--part-size-mib", type=int, default=S3Config().part_size // MiB)
-    p.add_argument("--json", type=Path, default=RESULTS / "training.json")
-    p.add_argument("--chart", type=Path, default=ROOT / "docs" / "training-overhead.png")
-    p.add_argument("--endpoint-url")
-    p.add_argument("--access-key")
-    p.add_argument("--secret-key")
-    p.add_argument("--region")
-    p.add_argument("--bucket", default=f"bench-training-{secrets.token_hex(3)}")
+    p.add_argument("--sweep", nargs="*", type=count, metavar="N", help="intervals for thread mode")
+    p.chart(ROOT / "docs" / "training-overhead.png")
     p.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU host")
-    p.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
-    p.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    p.repeat(3)
+    p.cores()
+    p.part_size()
+    p.server(bucket="bench-training-")
+    p.json("training.json")
+    p.child(choices=MODES)
+    return p.parse(argv)
 
 
 # ----------------------------------------------------------------------------- the child
@@ -327,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         return child_main(args)
     machine = machine_info()
-    with s3_endpoint(args.endpoint_url, args.access_key, args.secret_key, args.region) as ep:
+    with options.endpoint(args) as ep:
         pinned = pin_threads(ep.server_pid, args.server_core)
         server = f"on core {args.server_core}" if pinned else "unpinned"
         config = ep.config(part_size=args.part_size_mib * MiB, max_concurrency=8)
@@ -359,8 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
     report["machine"] = machine
     report |= {"server_pinned": pinned, "runs": runs, "summary": summary, "sweep": sweep}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2))
+    write_json(args.json, report)
     print(f"JSON: {args.json}")
     _chart(args.chart, summary, sweep)
     return 0

@@ -50,6 +50,7 @@ __all__ = [
     "proxy_counts",
     "s3_endpoint",
     "server_cpu_seconds",
+    "write_json",
 ]
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -244,6 +245,13 @@ def machine_info() -> dict[str, Any]:
 def median(values: Sequence[float | None]) -> float | None:
     present = [v for v in values if v is not None]
     return statistics.median(present) if present else None
+
+
+def write_json(path: Path, document: Any) -> None:
+    """A benchmark's report as indented JSON at ``path`` (its folder made; what JSON cannot hold
+    written as ``str``)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document, indent=2, default=str))
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

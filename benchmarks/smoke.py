@@ -10,7 +10,6 @@ directory. Figures from these runs mean nothing: only that each benchmark still 
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 import tempfile
@@ -23,6 +22,7 @@ from s3ckpt.engine import bridge
 from s3ckpt.engine.store import get_store
 from s3ckpt.tools.localserver import SeaweedFS
 
+from . import options
 from .common import ROOT, format_table
 
 
@@ -31,6 +31,7 @@ class Case:
     module: str
     argv: str  # split on spaces
     server: bool = True  # takes --endpoint-url, --access-key, --secret-key, --bucket
+    chart: bool = False  # takes --chart (its default may be a tracked file: docs/*.png)
     timeout_s: float = 240.0
 
 
@@ -39,12 +40,13 @@ CASES = [
     Case("bench_core", "--size-gib 0.01 --repeat 1"),
     Case("bench_dcp_floor", "--size-gib 0.01 --small-count 50 --repeat 1", server=False),
     Case("bench_faults", "--cycles 1 --size-mib 40 --only cycles"),
-    Case("bench_gpu", "--device cpu --skip-training --gib 0.01 --saves 2", server=False),
+    Case("bench_gpu", "--device cpu --skip-training --size-gib 0.01 --saves 2", server=False),
     Case("bench_incremental", "--quick"),
     Case("bench_manager", "--width 64 --layers 1 --batch 4 --interval 2 --saves 2 --repeat 1"),
     Case(
         "bench_peers",
         "--systems s3ckpt raw --workloads large --size-gib 0.005 --repeat 1 --no-proxy",
+        chart=True,
     ),
     Case(
         "bench_throttle",
@@ -54,8 +56,9 @@ CASES = [
         "bench_training",
         "--width 64 --layers 1 --batch 4 --interval 2 --checkpoints 2 --modes none thread "
         "--repeat 1",
+        chart=True,
     ),
-    Case("bench_safetensors", "--gib 0.02 --repeat 1"),
+    Case("bench_safetensors", "--size-gib 0.02 --repeat 1"),
     Case("bench_coordinator", "--ranks 4 --chunks 20 --commit-ranks 8 --latency-ms 5"),
     Case(
         "bench_scale",
@@ -67,6 +70,7 @@ CASES = [
 def run(case: Case, server: SeaweedFS | None, out: Path) -> tuple[str, float, str]:
     argv = [sys.executable, "-m", f"benchmarks.{case.module}", *case.argv.split()]
     argv += ["--json", str(out / f"{case.module}.json")]
+    argv += ["--chart", str(out / f"{case.module}.png")] if case.chart else []
     if case.server and server is not None:
         endpoint, bucket = server.endpoint, f"smoke-{case.module.replace('_', '-')}"
         config = S3Config(
@@ -93,7 +97,7 @@ def run(case: Case, server: SeaweedFS | None, out: Path) -> tuple[str, float, st
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = options.Parser(__file__, __doc__)
     p.add_argument("only", nargs="*", help="benchmark modules to run (default: all)")
     args = p.parse_args(argv)
     unknown = set(args.only) - {c.module for c in CASES}

@@ -1,5 +1,5 @@
 """Commit records in the shapes of earlier format versions, and the item table of version 3
-opened for editing: what tests craft hostile or old records from (and `bench_record` old ones).
+opened for editing: what tests craft hostile or old records from.
 
 `inline` writes a version-3 record as s3ckpt wrote it before version 3 (locators, chunks and
 digests inline; version 2 if it has digests or references, else 1), so every check of the old
