@@ -310,10 +310,11 @@ class ChunkList(Sequence[Chunk]):
     def __reduce__(self) -> tuple[Any, ...]:
         return list, (list(self),)
 
-    def located(self) -> Iterator[tuple[tuple[int, ...], tuple[int, ...], Locator]]:
-        """Each chunk's offsets, sizes and locator, without a `Chunk` (what DCP's types need)."""
-        offsets, sizes, locators, _ = self._fields(0, self._count)
-        return zip(offsets, sizes, locators, strict=False)
+    def geometry(self) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Each chunk's offsets and sizes, without a `Chunk` or `Locator` (what DCP's types
+        need)."""
+        offsets, sizes, _, _ = self._fields(0, self._count)
+        return zip(offsets, sizes, strict=False)
 
     def _chunks(self, start: int, stop: int) -> Iterator[Chunk]:
         return map(Chunk, *self._fields(start, stop))

@@ -117,9 +117,10 @@ class Locators(Mapping[MetadataIndex, Any]):
 
 def _to_dcp(checkpoint: Checkpoint) -> tuple[Metadata, Locators]:
     state_dict: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+    shared = _Chunks()
     for fqn, entry in checkpoint.entries.items():
         if isinstance(entry, TensorEntry):
-            state_dict[fqn] = _tensor(fqn, entry, checkpoint.url)
+            state_dict[fqn] = _tensor(fqn, entry, checkpoint.url, shared)
         else:
             state_dict[fqn] = BytesStorageMetadata()
     meta = checkpoint.storage_meta
@@ -142,7 +143,17 @@ def _to_dcp(checkpoint: Checkpoint) -> tuple[Metadata, Locators]:
     return metadata, locators
 
 
-def _tensor(fqn: str, entry: TensorEntry, url: str) -> TensorStorageMetadata:
+class _Chunks(dict[tuple[tuple[int, ...], tuple[int, ...]], ChunkStorageMetadata]):
+    """DCP's chunk objects by offsets and sizes, one per distinct chunk: the tensors of a
+    sharded state share their chunk geometry (FSDP: each shard of every layer alike), and
+    one dict lookup costs a third of making the object. DCP only reads them."""
+
+    def make(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> ChunkStorageMetadata:
+        chunk = self[offsets, sizes] = ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
+        return chunk
+
+
+def _tensor(fqn: str, entry: TensorEntry, url: str, shared: _Chunks) -> TensorStorageMetadata:
     properties = TensorProperties(
         dtype=_lookup(DTYPES, entry.dtype, fqn, "dtype", url),
         layout=_lookup(LAYOUT_TYPES, entry.layout, fqn, "layout", url),
@@ -150,14 +161,13 @@ def _tensor(fqn: str, entry: TensorEntry, url: str) -> TensorStorageMetadata:
         memory_format=_lookup(MEMORY_FORMAT_TYPES, entry.memory_format, fqn, "memory_format", url),
         pin_memory=entry.pin_memory,
     )
-    stored = entry.chunks
+    stored, made = entry.chunks, shared.make
     rows = (
-        stored.located()
+        stored.geometry()
         if isinstance(stored, ChunkList)
-        else ((chunk.offsets, chunk.sizes, chunk.locator) for chunk in stored)
+        else ((chunk.offsets, chunk.sizes) for chunk in stored)
     )
-    size, chunk = torch.Size, ChunkStorageMetadata  # positional: keywords cost 0.3 us a chunk
-    chunks = [chunk(size(offsets), size(sizes)) for offsets, sizes, _ in rows]
+    chunks = [shared.get(row) or made(*row) for row in rows]
     return TensorStorageMetadata(properties=properties, size=torch.Size(entry.size), chunks=chunks)
 
 
