@@ -129,11 +129,22 @@ class Delay:
     (``response``: the server already acted, as when a request that timed out succeeded anyway).
 
     A delayed request is still forwarded if its client gave up meanwhile but all of its bytes had
-    arrived, as a slow server would still execute it.
+    arrived, as a slow server would still execute it. With ``until``, the stall ends as soon as
+    that event is set (at most ``seconds``): a test that races something against the held
+    request waits for it, not for a guess at how long it takes on a busy machine.
     """
 
     seconds: float
     where: Literal["request", "response"] = "request"
+    until: threading.Event | None = None
+
+    async def wait(self) -> None:
+        if self.until is None:
+            await asyncio.sleep(self.seconds)
+            return
+        deadline = time.monotonic() + self.seconds
+        while not self.until.is_set() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
 
 
 @dataclass(frozen=True)
@@ -874,7 +885,7 @@ class FaultProxy:
         if isinstance(action, Delay) and action.where == "request":
             # After the 100 Continue, so the client sends its body and then waits on its read
             # timeout (botocore sends the body anyway after waiting 1 s for a 100 Continue).
-            await asyncio.sleep(action.seconds)
+            await action.wait()
         body = _framing(request, response=False)
         keep_alive = request.keeps_alive(version)
         if isinstance(action, Status):
@@ -907,7 +918,7 @@ class FaultProxy:
             _reset(writer)
             return False
         if isinstance(action, Delay) and action.where == "response":
-            await asyncio.sleep(action.seconds)
+            await action.wait()
         resp_version, status = response.start.split(" ", 2)[:2]
         bodiless = method == "HEAD" or status in ("204", "304")
         answer = _Framing("length", 0) if bodiless else _framing(response, response=True)

@@ -181,8 +181,9 @@ def test_objects_deleted_while_the_commit_was_in_flight_fail_the_save(
     if overwrite:
         dcp.save(old, storage_writer=S3Writer(bucket, "ck", config=s3.config()))
     with FaultProxy(s3.endpoint_url) as proxy:
-        held = proxy.add_rule(Delay(2.0), op="PutObject", key="ck/.metadata")
-        config = s3.config(endpoint_url=proxy.endpoint_url, read_timeout=10.0, **SMALL_PARTS)
+        collected_all = threading.Event()  # the commit PUT is held until gc has run
+        held = proxy.add_rule(Delay(20.0, until=collected_all), op="PutObject", key="ck/.metadata")
+        config = s3.config(endpoint_url=proxy.endpoint_url, read_timeout=30.0, **SMALL_PARTS)
         collected: list[Any] = []
 
         def collect_when_held() -> None:
@@ -190,7 +191,10 @@ def test_objects_deleted_while_the_commit_was_in_flight_fail_the_save(
             while held.fired == 0 and time.monotonic() < deadline:
                 time.sleep(0.02)
             url = f"s3://{bucket}/ck"
-            collected.append(gc(url, timedelta(0), s3.config(), break_leases=True))
+            try:
+                collected.append(gc(url, timedelta(0), s3.config(), break_leases=True))
+            finally:
+                collected_all.set()
 
         thread = threading.Thread(target=collect_when_held)
         thread.start()
