@@ -1,7 +1,7 @@
 """Calls to the object store: clients, the concurrency bound, retries, and small operations.
 
 `Calls` is the base of the engine's `S3Store`: every S3 call goes through `Calls._call`, which
-maps errors (one place: `clients.map_error`), counts, and retries as `retry` says. Every attempt
+maps errors (one place: `boto.map_error`), counts, and retries as `retry` says. Every attempt
 of every call is one `Calls._request`, which must be answered within its `Deadline`, and is let
 through by the store's `throttle.Throttle`, which sends less once the store throttles. The small
 operations of the `contract` (HEAD, listings, deletes, buckets, aborts) live here; moving data
@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from ..config import ResolvedConfig, S3Config
 from ..errors import AccessDenied, BucketNotFound, ObjectNotFound, StorageError
-from .clients import ClientHolder, map_error
+from .boto import ClientHolder, map_error
 from .contract import Listing, Part, Stats, StoredObject, Upload
 from .retry import RetryPolicy, is_repeat_limited, is_throttling, is_transient
 from .throttle import Answer, Throttle

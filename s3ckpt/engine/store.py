@@ -22,9 +22,9 @@ from ..config import ResolvedConfig, S3Config
 from ..errors import ObjectNotFound, StorageError
 from . import bridge, memory, wire
 from .bodies import Body
-from .buffers import PartBuffers
 from .contract import ObjectStore, Outcome, Payload
 from .downloads import Downloads
+from .partpool import PartBuffers
 from .retry import RetryPolicy
 
 __all__ = ["S3Store", "get_store"]

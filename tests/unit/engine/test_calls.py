@@ -13,8 +13,8 @@ import pytest
 
 from s3ckpt import StorageError
 from s3ckpt.config import S3Config
+from s3ckpt.engine.boto import ClientHolder
 from s3ckpt.engine.calls import Calls
-from s3ckpt.engine.clients import ClientHolder
 
 
 def requests_for(**settings: Any) -> Calls:
