@@ -181,7 +181,7 @@ def commit_cost(
     with FaultProxy(str(config.endpoint_url)) as proxy:
         slow = get_store(dataclasses.replace(config, endpoint_url=proxy.endpoint_url))
         # A steady-state save's client: connected, the bucket's checksum support known.
-        bridge.run(slow.wire_mode(bucket, location.key("warmup")))  # type: ignore[attr-defined]
+        bridge.run(slow.uploads.wire_mode(bucket, location.key("warmup")))  # type: ignore[attr-defined]
         for name, delay in (("delayed", latency_s), ("probed", probe_s)) * repeats:
             rule = proxy.add_rule(Delay(delay))
             before = proxy.requests

@@ -301,7 +301,7 @@ def _rank_run(rank: int, point: Point) -> dict[str, Any]:
     # A training job saves repeatedly: start the client and settle the bucket's checksum
     # probe before measuring, so the counts are those of a steady-state save.
     bridge.run(store.check_bucket(point.bucket))
-    bridge.run(store.wire_mode(point.bucket, f"{point.prefix}/warmup-{rank}"))  # type: ignore[attr-defined]  # S3Store's
+    bridge.run(store.uploads.wire_mode(point.bucket, f"{point.prefix}/warmup-{rank}"))  # type: ignore[attr-defined]  # S3Store's
     encodes: list[tuple[float, float, int]] = []
     install_encode_timer(encodes)
     build_started = time.perf_counter()

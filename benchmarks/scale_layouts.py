@@ -124,7 +124,7 @@ def rank_main(rank: int, point: LayoutPoint, port: int, out_dir: str) -> None:
 
 def _rank_run(rank: int, point: LayoutPoint) -> dict[str, Any]:
     store = get_store(point.config)
-    bridge.run(store.wire_mode(point.bucket, f"{point.prefix}/warmup-{rank}"))  # type: ignore[attr-defined]  # S3Store's
+    bridge.run(store.uploads.wire_mode(point.bucket, f"{point.prefix}/warmup-{rank}"))  # type: ignore[attr-defined]  # S3Store's
     state = _state(point, zeros=False)
     writer = _Stamped(point.bucket, config=point.config)
     planner = CachingSavePlanner()

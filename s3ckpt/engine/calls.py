@@ -1,11 +1,12 @@
-"""Calls to the object store: clients, the concurrency bound, retries, and small operations.
+"""Every request the engine sends: clients, the request slots, the throttle, deadlines, retries.
 
-`Calls` is the base of the engine's `S3Store`: every S3 call goes through `Calls._call`, which
-maps errors (one place: `clients.map_error`), counts, and retries as `retry` says. Every attempt
-of every call is one `Calls._request`, which must be answered within its `Deadline`, and is let
-through by the store's `throttle.Throttle`, which sends less once the store throttles. The small
-operations of the `contract` (HEAD, listings, deletes, buckets, aborts) live here; moving data
-lives in `downloads` and `store`.
+One `Calls` serves all of an `S3Store` (its `downloads.Downloads`, its `uploads.Uploads` and its
+small operations), so they share one concurrency bound, one throttle and one idea of whether the
+store is down. `Calls.call` is one S3 operation: it maps errors (one place: `boto.map_error`),
+counts, and retries as `retry` says; `Calls.retrying` does the same for an attempt the caller
+writes itself (a read that resumes where it broke off). Every attempt of every call is one
+`Calls.request`, which must be answered within its `Deadline`, and is let through by the store's
+`throttle.Throttle`, which sends less once the store throttles.
 """
 
 from __future__ import annotations
@@ -13,25 +14,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import email.utils
 import itertools
 import logging
-from collections.abc import Awaitable, Callable, Sequence
-from datetime import datetime, timezone
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from ..config import ResolvedConfig, S3Config
-from ..errors import AccessDenied, BucketNotFound, ObjectNotFound, StorageError
-from .clients import ClientHolder, map_error
-from .contract import Listing, Part, Stats, StoredObject, Upload
+from ..errors import StorageError
+from .boto import ClientHolder, map_error
+from .contract import Stats
 from .retry import RetryPolicy, is_repeat_limited, is_throttling, is_transient
 from .throttle import Answer, Throttle
 
-__all__ = ["Calls", "Deadline", "etag_of"]
+__all__ = ["Calls", "Deadline"]
 
 T = TypeVar("T")
 log = logging.getLogger("s3ckpt.engine")
-_DELETE_BATCH = 1000  # the most keys one DeleteObjects takes
 
 
 @dataclasses.dataclass
@@ -59,23 +57,25 @@ class Deadline:
 
 
 class Calls:
-    """S3 calls under one concurrency bound, for one resolved configuration, on the bridge loop."""
+    """S3 requests under one concurrency bound, for one resolved configuration, on the bridge
+    loop. ``clients``: one per endpoint URL, which requests and retries rotate over;
+    ``throttle``: the store's, which every attempt waits for."""
 
     def __init__(self, resolved: ResolvedConfig, retry: RetryPolicy | None = None) -> None:
         self.resolved = resolved
         self._config = resolved.config
         self._stats = Stats()
         self.retry = retry or RetryPolicy(self.config.max_attempts, self.config.retry_timeout)
-        self._clients = [ClientHolder(resolved, url) for url in resolved.endpoint_urls or [None]]
+        self.clients = [ClientHolder(resolved, url) for url in resolved.endpoint_urls or [None]]
         self._turn = itertools.count()
         self._slots: asyncio.Semaphore | None = None
-        self._down_until = 0.0  # loop time until which the store counts as down (`_retrying`)
+        self._down_until = 0.0  # loop time until which the store counts as down (`retrying`)
         self._answered = False  # the store has answered a request (`first_contact_timeout`)
         self._warned_until = 0.0  # loop time until which retries are not warned about again
         # One for the store, not one per endpoint: its endpoints are addresses of one store,
         # whose limits (per key prefix on AWS S3, per system elsewhere) they share, and every
         # request and retry rotates over all of them.
-        self._throttle = Throttle(self.config.max_concurrency)
+        self.throttle = Throttle(self.config.max_concurrency)
 
     @property
     def config(self) -> S3Config:
@@ -93,14 +93,16 @@ class Calls:
         """Make every endpoint's client now; a failure is left for the first request to
         raise, typed and naming its bucket and key."""
         with contextlib.suppress(Exception):
-            await asyncio.gather(*(holder.prepare() for holder in self._clients))
+            await asyncio.gather(*(holder.prepare() for holder in self.clients))
 
-    def _semaphore(self) -> asyncio.Semaphore:
+    def slot(self) -> asyncio.Semaphore:
+        """One of the ``max_concurrency`` request slots, which the store's data requests hold
+        (a read's caller around `Downloads.read_range`, an upload around each part)."""
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.config.max_concurrency)
         return self._slots
 
-    async def _call(
+    async def call(
         self,
         operation: str,
         bucket: str,
@@ -115,15 +117,15 @@ class Calls:
         policy = retry or self.retry
 
         async def attempt() -> Any:
-            return await self._request(operation, bucket, key, **params)
+            return await self.request(operation, bucket, key, **params)
 
-        return await self._retrying(operation, bucket, key, attempt, policy, on_failure=on_failure)
+        return await self.retrying(operation, bucket, key, attempt, policy, on_failure=on_failure)
 
-    async def _request(self, operation: str, bucket: str, key: str | None, **params: Any) -> Any:
+    async def request(self, operation: str, bucket: str, key: str | None, **params: Any) -> Any:
         """One attempt: the client's ``operation``, on the next endpoint (requests and retries
         rotate over them all). The only place the engine sends a request, so that each is
         answered within `_answer_deadline` or fails transiently (``ResponseTimeout``)."""
-        client = await self._clients[next(self._turn) % len(self._clients)].get()
+        client = await self.clients[next(self._turn) % len(self.clients)].get()
         deadline = self._answer_deadline(operation, bucket, key, len(params.get("Body", b"")))
         return await deadline.wait(getattr(client, operation)(Bucket=bucket, **params))
 
@@ -158,7 +160,7 @@ class Calls:
 
         return Deadline(seconds, expired)
 
-    async def _retrying(
+    async def retrying(
         self,
         operation: str,
         bucket: str,
@@ -188,7 +190,7 @@ class Calls:
         clock = asyncio.get_running_loop().time
         known_down = clock() < self._down_until
         if known_down:
-            policy = dataclasses.replace(policy, max_attempts=1)
+            policy = policy.once()
         first_contact = self.config.first_contact_timeout
         if not self._answered and first_contact is not None and first_contact < policy.deadline:
             policy = dataclasses.replace(policy, deadline=first_contact)
@@ -196,7 +198,7 @@ class Calls:
         while True:
             number += 1
             reached = progress() if progress is not None else 0
-            ticket = await self._throttle.admit()
+            ticket = await self.throttle.admit()
             if number == 1:  # waiting for the first attempt to be let through is not failing
                 started = clock()
             self.stats.requests += 1
@@ -212,7 +214,7 @@ class Calls:
                 )
                 answer = self._answer(error)
             finally:
-                self._throttle.done(ticket, answer)
+                self.throttle.done(ticket, answer)
             if error is None:
                 self._down_until = 0.0
                 self._answered = True
@@ -266,172 +268,3 @@ class Calls:
             self.stats.throttled += 1
             return "throttled" if self.config.adapt_to_throttling else "failed"
         return "failed" if is_transient(error) else "admitted"
-
-    def slot(self) -> asyncio.Semaphore:
-        """One of the ``max_concurrency`` request slots; hold it around `read_range`."""
-        return self._semaphore()
-
-    async def head(self, bucket: str, key: str) -> StoredObject | None:
-        try:
-            reply = await self._call("head_object", bucket, key, Key=key)
-        except ObjectNotFound:
-            return None
-        modified = _utc(reply["LastModified"]) if "LastModified" in reply else _server_time(reply)
-        return StoredObject(key, int(reply["ContentLength"]), modified, etag_of(reply))
-
-    async def check_bucket(self, bucket: str) -> None:
-        """Credentials scoped to a prefix may not be allowed HeadBucket; that is not an error."""
-        with contextlib.suppress(AccessDenied):
-            await self._call("head_bucket", bucket, None)
-
-    async def create_bucket(self, bucket: str) -> None:
-        try:
-            await self.check_bucket(bucket)
-        except BucketNotFound:
-            params: dict[str, Any] = {}
-            if self.resolved.region != "us-east-1":
-                params["CreateBucketConfiguration"] = {"LocationConstraint": self.resolved.region}
-            await self._call("create_bucket", bucket, None, **params)
-
-    async def delete_bucket(self, bucket: str) -> None:
-        await self._call("delete_bucket", bucket, None)
-
-    async def list_objects(
-        self,
-        bucket: str,
-        prefix: str,
-        *,
-        delimiter: bool = False,
-        limit: int | None = None,
-        start_after: str | None = None,
-        end: str | None = None,
-    ) -> Listing:
-        objects: list[StoredObject] = []
-        prefixes: list[str] = []
-        params: dict[str, Any] = {"Delimiter": "/"} if delimiter else {}
-        if start_after is not None:
-            params["StartAfter"] = start_after
-        now: datetime | None = None
-        while True:
-            size = 1000 if limit is None else min(1000, limit - len(objects))
-            reply = await self._call(
-                "list_objects_v2", bucket, prefix or None, Prefix=prefix, MaxKeys=size, **params
-            )
-            now = now or _server_time(reply)
-            objects += [
-                StoredObject(o["Key"], int(o["Size"]), _utc(o["LastModified"]))
-                for o in reply.get("Contents", [])
-            ]
-            prefixes += [p["Prefix"] for p in reply.get("CommonPrefixes", [])]
-            if (
-                not reply.get("IsTruncated")
-                or (limit is not None and len(objects) >= limit)
-                or (end is not None and objects and objects[-1].key >= end)
-            ):
-                return Listing(objects, prefixes, now)
-            params["ContinuationToken"] = reply["NextContinuationToken"]
-
-    async def delete(
-        self, bucket: str, keys: Sequence[str], *, deleted: Callable[[int], None] | None = None
-    ) -> None:
-        pending = list(dict.fromkeys(keys))
-        for i in range(0, len(pending), _DELETE_BATCH):
-            batch = pending[i : i + _DELETE_BATCH]
-            reply = await self._call(
-                "delete_objects",
-                bucket,
-                batch[0],
-                Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True},
-            )
-            errors = reply.get("Errors") or []
-            if errors:
-                first = errors[0]
-                raise StorageError(
-                    f"delete_objects in s3://{bucket} at {self.endpoint}: {len(errors)} keys not "
-                    f"deleted, first s3://{bucket}/{first.get('Key')}: {first.get('Code')} "
-                    f"({first.get('Message')})",
-                    endpoint=self.endpoint,
-                    bucket=bucket,
-                    key=first.get("Key"),
-                    operation="delete_objects",
-                    code=first.get("Code"),
-                )
-            if deleted is not None:
-                deleted(len(batch))
-
-    async def list_uploads(self, bucket: str, prefix: str) -> list[Upload]:
-        found: list[Upload] = []
-        markers: dict[str, Any] = {}
-        while True:
-            reply = await self._call(
-                "list_multipart_uploads", bucket, prefix, Prefix=prefix, **markers
-            )
-            found += [
-                Upload(u["Key"], u["UploadId"], _utc(u["Initiated"]))
-                for u in reply.get("Uploads", [])
-            ]
-            if not reply.get("IsTruncated"):
-                return found
-            markers = {
-                "KeyMarker": reply["NextKeyMarker"],
-                "UploadIdMarker": reply["NextUploadIdMarker"],
-            }
-
-    async def list_parts(self, bucket: str, upload: Upload) -> list[Part]:
-        parts: list[Part] = []
-        marker: dict[str, Any] = {}
-        while True:
-            try:
-                reply = await self._call(
-                    "list_parts",
-                    bucket,
-                    upload.key,
-                    Key=upload.key,
-                    UploadId=upload.upload_id,
-                    **marker,
-                )
-            except ObjectNotFound:  # completed or aborted meanwhile
-                return []
-            parts += [
-                Part(int(p["PartNumber"]), int(p["Size"]), _utc(p["LastModified"]))
-                for p in reply.get("Parts", [])
-            ]
-            if not reply.get("IsTruncated"):
-                return parts
-            marker = {"PartNumberMarker": reply["NextPartNumberMarker"]}
-
-    async def abort(self, bucket: str, upload: Upload) -> bool:
-        try:
-            await self._call(
-                "abort_multipart_upload",
-                bucket,
-                upload.key,
-                Key=upload.key,
-                UploadId=upload.upload_id,
-            )
-        except ObjectNotFound:  # completed or aborted since it was listed
-            return False
-        return True
-
-    async def _abort_quietly(self, bucket: str, key: str, upload_id: str) -> None:
-        """Abort an upload of ours that failed; failures are swallowed (gc finds what is left)."""
-        with contextlib.suppress(StorageError):
-            await self._call("abort_multipart_upload", bucket, key, Key=key, UploadId=upload_id)
-
-
-def etag_of(reply: dict[str, Any]) -> str | None:
-    etag = reply.get("ETag")
-    return None if etag is None else str(etag)
-
-
-def _utc(when: datetime) -> datetime:
-    return when.astimezone(timezone.utc)
-
-
-def _server_time(reply: dict[str, Any]) -> datetime:
-    """The reply's Date, so that ages do not depend on this machine's clock."""
-    date = reply.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
-    try:
-        return email.utils.parsedate_to_datetime(date)
-    except (TypeError, ValueError):
-        return datetime.now(timezone.utc)

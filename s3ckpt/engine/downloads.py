@@ -1,10 +1,11 @@
 """Downloads: whole small objects, and ranged reads streamed into memory that wants them.
 
-`Downloads` sits between `Calls` (calls, retries) and `S3Store` (which adds uploads). A ranged
-read that breaks off resumes at the first byte still missing; with a `StreamCheck` it verifies
-every range's CRC32C as the bytes stream past and resumes at a damaged one. Every body
-must arrive within a `Deadline` set by its size and ``min_read_rate`` (its head has one of its
-own, `Calls._request`), or the attempt fails (code ``TooSlow``) and is retried from where it got.
+`Downloads` is the read side of `S3Store`, sending its requests through the store's `Calls`
+(slots, retries). A ranged read that breaks off resumes at the first byte still missing; with a
+`StreamCheck` it verifies every range's CRC32C as the bytes stream past and resumes at a damaged
+one. Every body must arrive within a `Deadline` set by its size and ``min_read_rate`` (its head
+has one of its own, `Calls.request`), or the attempt fails (code ``TooSlow``) and is retried from
+where it got.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import botocore.exceptions
 from ..checksums import Checksums, StreamCheck
 from ..errors import ChecksumMismatch, StorageError
 from ..scatter import Scatter
-from .calls import Calls, Deadline, etag_of
+from .calls import Calls, Deadline
 from .contract import Blob
 from .failures import checksum_mismatch, failed_get, wrong_size
+from .replies import etag_of
 from .retry import RetryPolicy
 
 __all__ = ["Downloads"]
@@ -33,8 +35,11 @@ def _count(text: Any) -> int | None:
     return int(text) if isinstance(text, str) and text.isdigit() else None
 
 
-class Downloads(Calls):
-    """Reads under the concurrency bound of `Calls`. Call only on the `bridge` loop."""
+class Downloads:
+    """Reads under the concurrency bound of ``calls``. Call only on the `bridge` loop."""
+
+    def __init__(self, calls: Calls) -> None:
+        self._calls = calls
 
     async def get(
         self,
@@ -48,7 +53,7 @@ class Downloads(Calls):
         refused: list[Exception] = []
 
         async def attempt() -> Blob:
-            reply = await self._request("get_object", bucket, key, Key=key)
+            reply = await self._calls.request("get_object", bucket, key, Key=key)
             deadline = self._deadline(bucket, key, reply["ContentLength"])
             async with reply["Body"] as body:
                 if check_size is not None:
@@ -63,11 +68,11 @@ class Downloads(Calls):
                 raise self._truncated(bucket, key, ended)
             return Blob(data, etag_of(reply))
 
-        async with self._semaphore():
-            blob = await self._retrying("get_object", bucket, key, attempt, retry)
+        async with self._calls.slot():
+            blob = await self._calls.retrying("get_object", bucket, key, attempt, retry)
         if refused:
             raise refused[0]
-        self.stats.bytes_received += len(blob.data)
+        self._calls.stats.bytes_received += len(blob.data)
         return blob
 
     async def read_range(
@@ -101,7 +106,7 @@ class Downloads(Calls):
                     # retry resumes at the damaged frame, rewriting only its bytes.
                     position = scatter.position
                     scatter.write(chunk)
-                    self.stats.bytes_received += len(chunk)
+                    self._calls.stats.bytes_received += len(chunk)
                     if check is not None:
                         try:
                             check.feed(position, chunk)
@@ -111,7 +116,7 @@ class Downloads(Calls):
                 ended = f"at byte {scatter.position} of bytes {start}-{end - 1}"
                 raise self._truncated(bucket, key, ended)
 
-        await self._retrying("get_object", bucket, key, attempt, progress=resume_point)
+        await self._calls.retrying("get_object", bucket, key, attempt, progress=resume_point)
 
     async def read_frames(
         self,
@@ -143,7 +148,7 @@ class Downloads(Calls):
                         chunk = await deadline.wait(body.read(min(_READ_CHUNK, wanted)))
                         if not chunk:
                             break
-                        self.stats.bytes_received += len(chunk)
+                        self._calls.stats.bytes_received += len(chunk)
                         chunks.append(chunk)
                         wanted -= len(chunk)
                     if wanted:
@@ -159,10 +164,10 @@ class Downloads(Calls):
             if following < frames.stop:
                 raise self._truncated(bucket, key, f"before frame {following} was complete")
 
-        await self._retrying("get_object", bucket, key, attempt, progress=lambda: following)
+        await self._calls.retrying("get_object", bucket, key, attempt, progress=lambda: following)
 
     async def check_size(self, bucket: str, key: str, size: int) -> None:
-        reply = await self._call("head_object", bucket, key, Key=key)
+        reply = await self._calls.call("head_object", bucket, key, Key=key)
         if reply["ContentLength"] != size:
             raise self._wrong_size(bucket, key, 0, size, size, reply["ContentLength"])
 
@@ -176,7 +181,7 @@ class Downloads(Calls):
         before any body is read.
         """
         try:
-            reply: dict[str, Any] = await self._request(
+            reply: dict[str, Any] = await self._calls.request(
                 "get_object", bucket, key, Key=key, Range=f"bytes={start}-{end - 1}"
             )
         except botocore.exceptions.ClientError as e:
@@ -196,12 +201,13 @@ class Downloads(Calls):
     def _wrong_size(
         self, bucket: str, key: str, start: int, end: int, size: int | None, stored: int | None
     ) -> StorageError:
-        return wrong_size(self.endpoint, bucket, key, start, end, size, stored)
+        return wrong_size(self._calls.endpoint, bucket, key, start, end, size, stored)
 
     def _deadline(self, bucket: str, key: str, size: int) -> Deadline:
         """``size`` bytes at ``min_read_rate``, plus one ``read_timeout`` of slack: a healthy
         server may stall that long once (a busy disk, a slow start) and still be on time."""
-        rate, seconds = self.config.min_read_rate, self.config.read_timeout
+        config = self._calls.config
+        rate, seconds = config.min_read_rate, config.read_timeout
         seconds += size / rate
 
         def too_slow() -> StorageError:
@@ -221,7 +227,7 @@ class Downloads(Calls):
         return self._failed_get(bucket, key, "Truncated", f"response ended {ended}")
 
     def _failed_get(self, bucket: str, key: str, code: str, what: str) -> StorageError:
-        return failed_get(self.endpoint, bucket, key, code, what)
+        return failed_get(self._calls.endpoint, bucket, key, code, what)
 
     def _mismatch(self, bucket: str, key: str, m: StreamCheck.Mismatch) -> ChecksumMismatch:
-        return checksum_mismatch(self.endpoint, bucket, key, m)
+        return checksum_mismatch(self._calls.endpoint, bucket, key, m)

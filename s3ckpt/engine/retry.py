@@ -4,7 +4,7 @@ s3ckpt owns retrying (botocore's own retries are off) so that one policy, stated
 every request, including the body of a ranged GET that breaks off midway.
 
 Retried: HTTP 5xx, 429 and throttling codes (``SlowDown`` and friends), request timeouts and
-answers that miss their request's deadline (``ResponseTimeout``, see `calls.Calls._request`), lost
+answers that miss their request's deadline (``ResponseTimeout``, see `calls.Calls.request`), lost
 or refused connections, response bodies that end early or arrive slower than ``min_read_rate``,
 and bytes that fail their checksum (damage in transit). Not retried: every other 4xx (403 bad
 credentials, 404 missing bucket or key, 400, 412 lost conditional write), TLS verification

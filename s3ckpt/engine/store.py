@@ -1,368 +1,164 @@
-"""`S3Store`, the engine's implementation of the `contract`: uploads, on top of `Downloads`.
+"""`S3Store`, the engine's implementation of the `contract`, composed of its parts.
 
 One `S3Store` exists per resolved configuration per process (`get_store`), on the private loop
-of `bridge`. Its semaphore bounds the data requests in flight, and data buffers are only
-materialised while a request holds a slot, so bytes in flight stay near ``part_size x
-max_concurrency`` whatever the checkpoint size. A multipart upload that fails or is cancelled
-is aborted before the error propagates.
+of `bridge`. Its `calls.Calls` sends every request (clients, the request slots that bound the
+requests in flight, the throttle, deadlines, retries); `downloads.Downloads` (reads) and
+`uploads.Uploads` (writes, multipart uploads in progress) send theirs through it. The store
+answers the contract by delegating to them, and does the small operations itself: HEAD,
+listings, deletes and buckets.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import dataclasses
-import logging
-import math
 import os
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from typing import Any
 
 from ..config import ResolvedConfig, S3Config
-from ..errors import ObjectNotFound, StorageError
-from . import bridge, memory, wire
-from .bodies import Body
-from .buffers import PartBuffers
-from .contract import ObjectStore, Outcome, Payload
+from ..errors import AccessDenied, BucketNotFound, ObjectNotFound, StorageError
+from . import memory
+from .calls import Calls
+from .contract import Listing, ObjectStore, Stats, StoredObject
 from .downloads import Downloads
+from .replies import etag_of, server_time, utc
 from .retry import RetryPolicy
+from .uploads import Uploads
 
 __all__ = ["S3Store", "get_store"]
 
-T = TypeVar("T")
-log = logging.getLogger(__name__)
-_MAX_PARTS = 10_000
+_DELETE_BATCH = 1000  # the most keys one DeleteObjects takes
 
 
-class S3Store(Downloads):
-    """The `ObjectStore` over aiobotocore. Call only on the `bridge` loop."""
+class S3Store:
+    """The `ObjectStore` over aiobotocore. Call only on the `bridge` loop. Its parts, ``calls``,
+    ``downloads`` and ``uploads``, are not the contract: tests and benchmarks reach them (the
+    probed `Uploads.wire_mode`, the `Calls.clients`)."""
 
     def __init__(self, resolved: ResolvedConfig, retry: RetryPolicy | None = None) -> None:
-        super().__init__(resolved, retry)
-        self._parts = PartBuffers(max(self.config.part_size, self.config.multipart_threshold))
-        self._wire_modes: dict[str, str] = {}
-        self._wire_lock = asyncio.Lock()
+        self.calls = Calls(resolved, retry)
+        self.downloads = Downloads(self.calls)
+        self.uploads = Uploads(self.calls)
+        # The contract's operations that a part owns, delegated: the part's own methods.
+        self.prepare = self.calls.prepare
+        self.slot = self.calls.slot
+        self.get = self.downloads.get
+        self.read_range = self.downloads.read_range
+        self.read_frames = self.downloads.read_frames
+        self.check_size = self.downloads.check_size
+        self.put = self.uploads.put
+        self.try_put = self.uploads.try_put
+        self.upload = self.uploads.upload
+        self.upload_stream = self.uploads.upload_stream
+        self.list_uploads = self.uploads.list_uploads
+        self.list_parts = self.uploads.list_parts
+        self.abort = self.uploads.abort
 
-    async def put(
-        self,
-        bucket: str,
-        key: str,
-        body: bytes | bytearray | memoryview,
-        *,
-        if_none_match: bool = False,
-        retry: RetryPolicy | None = None,
-        on_failure: Callable[[StorageError], None] | None = None,
-    ) -> None:
-        mode = await self.wire_mode(bucket, key)
-        await self._put(
-            bucket,
-            key,
-            [body],
-            wire.digest([body], mode),
-            if_none_match=if_none_match,
-            retry=retry,
-            on_failure=on_failure,
-        )
+    @property
+    def config(self) -> S3Config:
+        return self.calls.config
 
-    async def try_put(
-        self,
-        bucket: str,
-        key: str,
-        body: bytes | bytearray | memoryview,
-        *,
-        if_none_match: bool,
-        once: bool,
-    ) -> Outcome:
-        failures: list[StorageError] = []
+    @property
+    def endpoint(self) -> str:
+        return self.calls.endpoint
+
+    @property
+    def stats(self) -> Stats:
+        return self.calls.stats
+
+    @property
+    def retry(self) -> RetryPolicy:
+        return self.calls.retry
+
+    async def head(self, bucket: str, key: str) -> StoredObject | None:
         try:
-            await self.put(
-                bucket,
-                key,
-                body,
-                if_none_match=if_none_match,
-                retry=self.retry.once() if once else None,
-                on_failure=failures.append,
-            )
-        except StorageError as e:
-            return Outcome(e, tuple(failures), self.retry.should_retry(e, 1, 0.0))
-        return Outcome(None, tuple(failures))
-
-    async def _put(
-        self,
-        bucket: str,
-        key: str,
-        buffers: Sequence[bytes | bytearray | memoryview],
-        digest: dict[str, Any],
-        *,
-        if_none_match: bool = False,
-        retry: RetryPolicy | None = None,
-        on_failure: Callable[[StorageError], None] | None = None,
-    ) -> None:
-        """PutObject of ``buffers`` back to back; ``digest`` carries their wire checksum."""
-        body = Body(buffers)
-        extra = {"IfNoneMatch": "*"} if if_none_match else {}
-        await self._call(
-            "put_object",
-            bucket,
-            key,
-            retry=retry,
-            on_failure=on_failure,
-            Key=key,
-            Body=body,
-            **digest,
-            **extra,
-        )
-        self.stats.bytes_sent += len(body)
-
-    async def wire_mode(self, bucket: str, key: str) -> str:
-        """The checksum sent with uploads to ``bucket``: configured, or probed once (auto)."""
-        if self.config.checksum != "auto":
-            return self.config.checksum
-        if bucket not in self._wire_modes:
-            async with self._wire_lock:
-                if bucket not in self._wire_modes:
-                    prefix = key.rpartition("/")[0] + "/" if "/" in key else ""
-
-                    # A refused digest is the answer; anything else transient is retried.
-                    policy = dataclasses.replace(self.retry, never=wire.REFUSED)
-
-                    async def put(probe_key: str, body: bytes, **params: Any) -> None:
-                        await self._call(
-                            "put_object",
-                            bucket,
-                            probe_key,
-                            retry=policy,
-                            Key=probe_key,
-                            Body=body,
-                            **params,
-                        )
-
-                    async def delete(probe_key: str) -> None:
-                        with contextlib.suppress(StorageError):
-                            await self._call("delete_object", bucket, probe_key, Key=probe_key)
-
-                    self._wire_modes[bucket] = await wire.probe(put, delete, prefix)
-                    log.info(
-                        "%s: sending %s checksums to s3://%s",
-                        self.endpoint,
-                        self._wire_modes[bucket],
-                        bucket,
-                    )
-        return self._wire_modes[bucket]
-
-    async def upload(self, bucket: str, key: str, payload: Payload) -> None:
-        with self._parts.held():
-            if payload.size <= self.config.multipart_threshold:
-                async with self._semaphore():
-                    mode = await self.wire_mode(bucket, key)
-                    async with self._bytes(payload, 0, payload.size, mode) as (body, digest):
-                        await self._put(bucket, key, body, digest)
-                return
-            upload_id, retried = await self._create_upload(bucket, key)
-            try:
-                part_size = max(self.config.part_size, math.ceil(payload.size / _MAX_PARTS))
-                starts = range(0, payload.size, part_size)
-                parts = await bridge.gather_or_cancel(
-                    self._upload_part(bucket, key, upload_id, number, payload, start, part_size)
-                    for number, start in enumerate(starts, 1)
-                )
-                await self._complete(bucket, key, upload_id, parts, payload.size)
-            except BaseException:
-                await asyncio.shield(self._abort_quietly(bucket, key, upload_id))
-                raise
-            finally:
-                if retried:
-                    await asyncio.shield(self._abort_strays(bucket, key))
-
-    async def upload_stream(
-        self, bucket: str, key: str, chunks: AsyncIterator[bytes | memoryview]
-    ) -> None:
-        """Chunks gather into parts of at least ``part_size``; a part's request slot is taken
-        before it is cut, so at most ``max_concurrency`` parts are held and the producer waits
-        for slots. A stream that ends under the multipart threshold goes up as one PutObject.
-        """
-        pending: list[asyncio.Future[dict[str, Any]]] = []
-        part = bytearray()
-        size = 0
-        upload: tuple[str, bool] | None = None
-
-        async def send(upload_id: str, body: bytearray) -> None:
-            await self._semaphore().acquire()
-            number = len(pending) + 1
-            pending.append(asyncio.ensure_future(self._send(bucket, key, upload_id, number, body)))
-
-        try:
-            async for chunk in chunks:
-                part += chunk
-                size += len(chunk)
-                if len(part) < self.config.part_size or (
-                    upload is None and len(part) <= self.config.multipart_threshold
-                ):
-                    continue
-                upload = upload or await self._create_upload(bucket, key)
-                await send(upload[0], part)
-                part = bytearray()
-            if upload is None:
-                async with self._semaphore():
-                    await self.put(bucket, key, part)
-                return
-            if part:
-                await send(upload[0], part)
-            parts = await bridge.gather_or_cancel(pending)
-            await self._complete(bucket, key, upload[0], parts, size)
-        except BaseException:
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-            if upload is not None:
-                await asyncio.shield(self._abort_quietly(bucket, key, upload[0]))
-            raise
-        finally:
-            if upload is not None and upload[1]:
-                await asyncio.shield(self._abort_strays(bucket, key))
-
-    async def _send(
-        self, bucket: str, key: str, upload_id: str, number: int, body: bytearray
-    ) -> dict[str, Any]:
-        """One part of `upload_stream`; the caller took its slot, which is released here."""
-        try:
-            mode = await self.wire_mode(bucket, key)
-            loop = asyncio.get_running_loop()
-            digest = await loop.run_in_executor(None, wire.digest, [body], mode)
-            return await self._put_part(bucket, key, upload_id, number, [body], digest)
-        finally:
-            self._semaphore().release()
-
-    async def _put_part(
-        self,
-        bucket: str,
-        key: str,
-        upload_id: str,
-        number: int,
-        buffers: Sequence[bytes | bytearray | memoryview],
-        digest: dict[str, Any],
-    ) -> dict[str, Any]:
-        """UploadPart of ``buffers`` back to back, and the part's entry for
-        CompleteMultipartUpload."""
-        body = Body(buffers)
-        reply = await self._call(
-            "upload_part",
-            bucket,
-            key,
-            Key=key,
-            UploadId=upload_id,
-            PartNumber=number,
-            Body=body,
-            **digest,
-        )
-        self.stats.bytes_sent += len(body)
-        part = {"PartNumber": number, "ETag": reply["ETag"]}
-        if "ChecksumCRC32C" in digest:
-            part["ChecksumCRC32C"] = digest["ChecksumCRC32C"]
-        return part
-
-    @contextlib.asynccontextmanager
-    async def _bytes(
-        self, payload: Payload, start: int, end: int, mode: str
-    ) -> AsyncIterator[tuple[Sequence[memoryview], dict[str, Any]]]:
-        """A part's bytes (as buffers sent back to back) and checksum; a buffer is borrowed only
-        if the bytes must be assembled (they are not all in CPU memory)."""
-        views = payload.views(start, end)
-        if views is not None:
-
-            def sign() -> dict[str, Any]:
-                if mode == "crc32c":
-                    return wire.crc32c_digest(payload.checksum(start, end))
-                return wire.digest(views, mode)
-
-            yield views, await asyncio.get_running_loop().run_in_executor(None, sign)
-            return
-        with self._parts.borrow(end - start) as scratch:
-            yield await _produce(payload, start, end, scratch, mode)
-
-    async def _complete(
-        self, bucket: str, key: str, upload_id: str, parts: list[dict[str, Any]], size: int
-    ) -> None:
-        """CompleteMultipartUpload. If a retry finds the upload gone, an earlier attempt may have
-        completed it with its answer lost: the object then exists with the expected size."""
-        try:
-            await self._call(
-                "complete_multipart_upload",
-                bucket,
-                key,
-                Key=key,
-                UploadId=upload_id,
-                MultipartUpload={"Parts": parts},
-            )
+            reply = await self.calls.call("head_object", bucket, key, Key=key)
         except ObjectNotFound:
-            head = await self.head(bucket, key)
-            if head is None or head.size != size:
-                raise
+            return None
+        modified = utc(reply["LastModified"]) if "LastModified" in reply else server_time(reply)
+        return StoredObject(key, int(reply["ContentLength"]), modified, etag_of(reply))
 
-    async def _create_upload(self, bucket: str, key: str) -> tuple[str, bool]:
-        """CreateMultipartUpload; also says whether it was sent more than once.
+    async def check_bucket(self, bucket: str) -> None:
+        """Credentials scoped to a prefix may not be allowed HeadBucket; that is not an error."""
+        with contextlib.suppress(AccessDenied):
+            await self.calls.call("head_bucket", bucket, None)
 
-        If cancelled while the request is in flight, it waits for the answer and aborts the
-        upload the server created. A retried create may have created an upload whose answer was
-        lost: the caller then aborts the strays under the key (`_abort_strays`).
-        """
-        mode = await self.wire_mode(bucket, key)
-        sent = 0
-
-        async def attempt() -> Any:
-            nonlocal sent
-            sent += 1
-            extra = {"ChecksumAlgorithm": "CRC32C"} if mode == "crc32c" else {}
-            return await self._request("create_multipart_upload", bucket, key, Key=key, **extra)
-
-        create = asyncio.ensure_future(
-            self._retrying("create_multipart_upload", bucket, key, attempt)
-        )
+    async def create_bucket(self, bucket: str) -> None:
         try:
-            created = await asyncio.shield(create)
-        except asyncio.CancelledError:
-            with contextlib.suppress(Exception):
-                await self._abort_quietly(bucket, key, (await create)["UploadId"])
-            raise
-        return str(created["UploadId"]), sent > 1
+            await self.check_bucket(bucket)
+        except BucketNotFound:
+            params: dict[str, Any] = {}
+            region = self.calls.resolved.region
+            if region != "us-east-1":
+                params["CreateBucketConfiguration"] = {"LocationConstraint": region}
+            await self.calls.call("create_bucket", bucket, None, **params)
 
-    async def _abort_strays(self, bucket: str, key: str) -> None:
-        """Abort every upload left under ``key`` (keys are unique per save, so all are ours)."""
-        with contextlib.suppress(StorageError):
-            for upload in await self.list_uploads(bucket, key):
-                if upload.key == key:
-                    await self._abort_quietly(bucket, key, upload.upload_id)
+    async def delete_bucket(self, bucket: str) -> None:
+        await self.calls.call("delete_bucket", bucket, None)
 
-    async def _upload_part(
+    async def list_objects(
         self,
         bucket: str,
-        key: str,
-        upload_id: str,
-        number: int,
-        payload: Payload,
-        start: int,
-        size: int,
-    ) -> dict[str, Any]:
-        end = min(start + size, payload.size)
-        mode = await self.wire_mode(bucket, key)
-        async with (
-            self._semaphore(),
-            self._bytes(payload, start, end, mode) as (body, digest),
-        ):
-            return await self._put_part(bucket, key, upload_id, number, body, digest)
+        prefix: str,
+        *,
+        delimiter: bool = False,
+        limit: int | None = None,
+        start_after: str | None = None,
+        end: str | None = None,
+    ) -> Listing:
+        objects: list[StoredObject] = []
+        prefixes: list[str] = []
+        params: dict[str, Any] = {"Delimiter": "/"} if delimiter else {}
+        if start_after is not None:
+            params["StartAfter"] = start_after
+        now: datetime | None = None
+        while True:
+            size = 1000 if limit is None else min(1000, limit - len(objects))
+            reply = await self.calls.call(
+                "list_objects_v2", bucket, prefix or None, Prefix=prefix, MaxKeys=size, **params
+            )
+            now = now or server_time(reply)
+            objects += [
+                StoredObject(o["Key"], int(o["Size"]), utc(o["LastModified"]))
+                for o in reply.get("Contents", [])
+            ]
+            prefixes += [p["Prefix"] for p in reply.get("CommonPrefixes", [])]
+            if (
+                not reply.get("IsTruncated")
+                or (limit is not None and len(objects) >= limit)
+                or (end is not None and objects and objects[-1].key >= end)
+            ):
+                return Listing(objects, prefixes, now)
+            params["ContinuationToken"] = reply["NextContinuationToken"]
 
-
-async def _produce(
-    payload: Payload, start: int, end: int, scratch: memoryview, mode: str
-) -> tuple[Sequence[memoryview], dict[str, Any]]:
-    """A part's bytes and their wire checksum, in a worker thread: it may copy megabytes (or
-    come from an accelerator) and hash them."""
-
-    def produce() -> tuple[Sequence[memoryview], dict[str, Any]]:
-        body = [payload.read(start, end, scratch)]
-        return body, wire.digest(body, mode)
-
-    return await asyncio.get_running_loop().run_in_executor(None, produce)
+    async def delete(
+        self, bucket: str, keys: Sequence[str], *, deleted: Callable[[int], None] | None = None
+    ) -> None:
+        pending = list(dict.fromkeys(keys))
+        for i in range(0, len(pending), _DELETE_BATCH):
+            batch = pending[i : i + _DELETE_BATCH]
+            reply = await self.calls.call(
+                "delete_objects",
+                bucket,
+                batch[0],
+                Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True},
+            )
+            errors = reply.get("Errors") or []
+            if errors:
+                first = errors[0]
+                raise StorageError(
+                    f"delete_objects in s3://{bucket} at {self.endpoint}: {len(errors)} keys not "
+                    f"deleted, first s3://{bucket}/{first.get('Key')}: {first.get('Code')} "
+                    f"({first.get('Message')})",
+                    endpoint=self.endpoint,
+                    bucket=bucket,
+                    key=first.get("Key"),
+                    operation="delete_objects",
+                    code=first.get("Code"),
+                )
+            if deleted is not None:
+                deleted(len(batch))
 
 
 _stores: dict[ResolvedConfig, S3Store] = {}

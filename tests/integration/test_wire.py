@@ -20,7 +20,7 @@ SMALL_PARTS = {"part_size": 5 * MiB, "multipart_threshold": 5 * MiB}
 
 def test_auto_mode_finds_what_the_server_validates(s3: Any, bucket: str) -> None:
     store = get_store(s3.config())
-    mode = bridge.run(store.wire_mode(bucket, "run/step-1/data-x/00000-000"))
+    mode = bridge.run(store.uploads.wire_mode(bucket, "run/step-1/data-x/00000-000"))
     assert mode == {"moto": "off", "seaweedfs": "crc32c"}[s3.name]
     assert listing(s3.client, bucket) == {}, "the probe object is removed"
 

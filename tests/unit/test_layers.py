@@ -29,7 +29,9 @@ ALLOWED = {
     },  # s3ckpt/__init__.py (the public names) and __main__.py
     "testing": set(),  # the fault proxy: stands alone
 }
-ENGINE_PRIVATE = {"_call", "_retrying", "_client", "_semaphore", "_abort_quietly"}
+# The engine's insides: the parts' handle on the store's calls, the aiobotocore client, reads
+# and uploads at the request level.
+ENGINE_PRIVATE = {"_calls", "_client", "_get_range", "_create_upload", "_abort_quietly"}
 # The engine's doors (docs/architecture.md): the contract, the loop bridge, the store resolver
 # and the in-memory store. Nothing above the engine imports any other module of it.
 ENGINE_DOORS = {

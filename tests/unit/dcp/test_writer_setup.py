@@ -12,7 +12,7 @@ def test_construction_makes_the_client_and_its_http_session_sending_nothing() ->
     )
     writer = S3Writer("setup-bucket", "run", config=config)
     store = writer._store
-    holder = store._clients[0]  # type: ignore[attr-defined]
+    holder = store.calls.clients[0]  # type: ignore[attr-defined]
     assert holder._client is not None, "the S3 client exists before the first save"
     assert holder._client._endpoint.http_session._sessions, "and its HTTP session"
     assert store.stats.requests == 0

@@ -1,6 +1,6 @@
-"""The retry loop itself (`Calls._retrying`), with fake attempts: fresh windows for reads that
+"""The retry loop itself (`Calls.retrying`), with fake attempts: fresh windows for reads that
 make progress, failing fast once a window ran out, retries logged at INFO; and each attempt's
-deadline (`Calls._request`), with a fake client that never answers. No server."""
+deadline (`Calls.request`), with a fake client that never answers. No server."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 
 from s3ckpt import StorageError
 from s3ckpt.config import S3Config
+from s3ckpt.engine.boto import ClientHolder
 from s3ckpt.engine.calls import Calls
-from s3ckpt.engine.clients import ClientHolder
 
 
 def requests_for(**settings: Any) -> Calls:
@@ -38,7 +38,7 @@ def test_a_read_that_made_progress_gets_a_fresh_window() -> None:
             raise failing("Truncated", None)
         return "done"
 
-    run = requests._retrying("get_object", "b", "k", attempt, progress=lambda: position)
+    run = requests.retrying("get_object", "b", "k", attempt, progress=lambda: position)
     assert asyncio.run(run) == "done" and position == 3
 
 
@@ -54,21 +54,21 @@ def test_once_a_window_ran_out_the_next_requests_fail_fast_until_one_succeeds() 
         loop = asyncio.get_running_loop()
         began = loop.time()
         with pytest.raises(StorageError):
-            await requests._retrying("put_object", "b", "k", attempt)
+            await requests.retrying("put_object", "b", "k", attempt)
         assert loop.time() - began >= 0.4 and requests.stats.requests > 2
         before = requests.stats.requests
         with pytest.raises(StorageError):  # the cleanup of what failed: one attempt
-            await requests._retrying("delete_objects", "b", "k", attempt)
+            await requests.retrying("delete_objects", "b", "k", attempt)
         assert requests.stats.requests == before + 1
         outcomes[:] = ["ok", "down", "ok"]
-        assert await requests._retrying("head_object", "b", "k", attempt) == "ok"
-        assert await requests._retrying("head_object", "b", "k", attempt) == "ok", "retried again"
+        assert await requests.retrying("head_object", "b", "k", attempt) == "ok"
+        assert await requests.retrying("head_object", "b", "k", attempt) == "ok", "retried again"
         # Giving up on a cap the caller chose (one attempt here) says nothing about the store.
-        once = dataclasses.replace(requests.retry, max_attempts=1)
+        once = requests.retry.once()
         outcomes[:] = ["down", "down", "ok"]
         with pytest.raises(StorageError):
-            await requests._retrying("put_object", "b", "k", attempt, once)
-        assert await requests._retrying("get_object", "b", "k", attempt) == "ok"
+            await requests.retrying("put_object", "b", "k", attempt, once)
+        assert await requests.retrying("get_object", "b", "k", attempt) == "ok"
 
     asyncio.run(scenario())
 
@@ -81,7 +81,7 @@ def test_retries_are_logged_at_info(caplog: pytest.LogCaptureFixture) -> None:
         raise failing("SlowDown", 503)
 
     with caplog.at_level(logging.INFO, logger="s3ckpt.engine"), pytest.raises(StorageError):
-        asyncio.run(requests._retrying("put_object", "b", "k", attempt))
+        asyncio.run(requests.retrying("put_object", "b", "k", attempt))
     retries = [r for r in caplog.records if "retrying in" in r.getMessage()]
     assert len(retries) > 1 and {r.levelno for r in retries} == {logging.INFO}
     assert "for up to 0.5 s" in retries[0].getMessage()
@@ -120,7 +120,7 @@ def test_an_unanswered_request_is_cut_at_its_deadline_and_retried_within_the_win
         clock = asyncio.get_running_loop().time
         began = clock()
         with pytest.raises(StorageError) as info:
-            await requests._call("head_object", "b", "run/.metadata", Key="run/.metadata")
+            await requests.call("head_object", "b", "run/.metadata", Key="run/.metadata")
         return info.value, clock() - began
 
     error, elapsed = asyncio.run(call())
@@ -137,7 +137,7 @@ def test_a_request_body_lengthens_the_deadline_at_min_read_rate(unanswered: Unan
     requests = requests_for(
         connect_timeout=0.1, read_timeout=0.1, min_read_rate=1000, max_attempts=1
     )
-    call = requests._call("put_object", "b", "k", Key="k", Body=b"x" * 300)
+    call = requests.call("put_object", "b", "k", Key="k", Body=b"x" * 300)
     with pytest.raises(StorageError) as info:
         asyncio.run(call)
     assert info.value.code == "ResponseTimeout" and unanswered.calls == 1

@@ -1,6 +1,6 @@
 """The store's adaptive limits (`s3ckpt.engine.throttle`): off until a throttling answer, cut by
 one per round trip, grown back and lifted, pacing that holds to its rate, no deadlock with the
-request slots; and how `Calls._retrying` feeds them. No server."""
+request slots; and how `Calls.retrying` feeds them. No server."""
 
 from __future__ import annotations
 
@@ -191,13 +191,13 @@ def test_retrying_tells_the_throttle_what_it_met() -> None:
 
     async def scenario() -> list[str]:
         requests = (
-            calls._retrying("put_object", "b", f"k{n}", lambda n=n: attempt(n)) for n in range(10)
+            calls.retrying("put_object", "b", f"k{n}", lambda n=n: attempt(n)) for n in range(10)
         )
         return await asyncio.gather(*requests)
 
     assert asyncio.run(scenario()) == ["ok"] * 10
-    assert calls.stats.throttled == 20 and calls._throttle.active
-    assert calls._throttle.in_flight == 0
+    assert calls.stats.throttled == 20 and calls.throttle.active
+    assert calls.throttle.in_flight == 0
 
 
 def test_without_adaptation_a_throttled_store_is_only_retried() -> None:
@@ -213,12 +213,12 @@ def test_without_adaptation_a_throttled_store_is_only_retried() -> None:
 
     async def scenario() -> list[str]:
         requests = (
-            calls._retrying("put_object", "b", f"k{n}", lambda n=n: attempt(n)) for n in range(10)
+            calls.retrying("put_object", "b", f"k{n}", lambda n=n: attempt(n)) for n in range(10)
         )
         return await asyncio.gather(*requests)
 
     assert asyncio.run(scenario()) == ["ok"] * 10
-    assert calls.stats.throttled == 10 and not calls._throttle.active
+    assert calls.stats.throttled == 10 and not calls.throttle.active
 
 
 def test_waiting_to_be_let_through_is_not_part_of_the_retry_window() -> None:
@@ -232,12 +232,12 @@ def test_waiting_to_be_let_through_is_not_part_of_the_retry_window() -> None:
         return "ok"
 
     async def scenario() -> float:
-        throttle, loop = calls._throttle, asyncio.get_running_loop()
+        throttle, loop = calls.throttle, asyncio.get_running_loop()
         throttle.in_flight = 2
         throttle.answered(0, "throttled", loop.time())  # paced at the floor, no token yet
         throttle.in_flight = 0
         began = loop.time()
-        assert await calls._retrying("put_object", "b", "k", attempt) == "ok"
+        assert await calls.retrying("put_object", "b", "k", attempt) == "ok"
         return loop.time() - began
 
     assert asyncio.run(scenario()) >= 0.9 / MIN_RATE / 2

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from s3ckpt.engine.buffers import PartBuffers
+from s3ckpt.engine.partpool import PartBuffers
 from s3ckpt.scatter import Scatter
 
 
