@@ -50,8 +50,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._extension import ZStandard
 
 from s3ckpt import S3Reader, S3Writer, WriteOptions
-from s3ckpt.checksums import StreamCheck, checksum
 from s3ckpt.config import MiB
+from s3ckpt.crc32c import StreamCheck, checksum
 from s3ckpt.format import frames
 from s3ckpt.format.packing import element_size
 

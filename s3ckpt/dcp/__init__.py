@@ -2,5 +2,5 @@
 a prefix holds, and incremental saves' bases and references.
 
 They may import `s3ckpt.engine` (through its contract), `s3ckpt.format` and the foundation
-modules (`config`, `errors`, `checksums`); never `s3ckpt.tools` or `s3ckpt.cli`.
+modules (`config`, `errors`, `crc32c`); never `s3ckpt.tools` or `s3ckpt.cli`.
 """

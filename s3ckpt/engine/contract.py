@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol
 
-from ..checksums import Checksums, StreamCheck
 from ..config import S3Config
+from ..crc32c import Checksums, StreamCheck
 from ..errors import StorageError
 from .retry import RetryPolicy
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import botocore.exceptions
 
-from ..checksums import Checksums, StreamCheck
+from ..crc32c import Checksums, StreamCheck
 from ..errors import ChecksumMismatch, StorageError
 from ..scatter import Scatter
 from .calls import Calls, Deadline

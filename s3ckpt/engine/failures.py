@@ -4,7 +4,7 @@ No I/O."""
 
 from __future__ import annotations
 
-from ..checksums import StreamCheck
+from ..crc32c import StreamCheck
 from ..errors import ChecksumMismatch, StorageError
 
 __all__ = ["checksum_mismatch", "failed_get", "wrong_size"]

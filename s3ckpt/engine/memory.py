@@ -23,8 +23,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from ..checksums import Checksums, StreamCheck
 from ..config import S3Config
+from ..crc32c import Checksums, StreamCheck
 from ..errors import (
     BucketNotFound,
     ChecksumMismatch,

@@ -15,7 +15,7 @@ import secrets
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from ..checksums import checksum
+from ..crc32c import checksum
 from ..errors import StorageError
 
 __all__ = ["MODES", "REFUSED", "crc32c_digest", "digest", "probe"]

@@ -2,5 +2,5 @@
 and range planning for reads.
 
 Pure: no I/O, no event loop. It may import `s3ckpt.config`, `s3ckpt.errors` and
-`s3ckpt.checksums`, torch's DCP metadata types, and nothing else of s3ckpt.
+`s3ckpt.crc32c`, torch's DCP metadata types, and nothing else of s3ckpt.
 """

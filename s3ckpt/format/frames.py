@@ -24,7 +24,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..checksums import Checksums
+from ..crc32c import Checksums
 
 if TYPE_CHECKING:
     # At run time torch is imported where a shuffle needs it: the tools read frames without it.

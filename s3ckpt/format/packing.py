@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..checksums import checksum, combine
+from ..crc32c import checksum, combine
 from . import frames
 from .frames import FrameTable
 from .tensorbytes import memory_of

@@ -23,7 +23,7 @@ from ..engine.contract import ObjectStore
 from ..engine.store import get_store
 from ..errors import CheckpointNotFound
 from ..format.layout import Location, step_in, step_name
-from ..tools import removal, scan
+from ..tools import listing, removal
 from ..tools.retention import Retention
 from .collective import Agreement
 
@@ -66,7 +66,7 @@ async def children(store: ObjectStore, run: Location) -> dict[int, Location]:
 async def committed(store: ObjectStore, run: Location) -> dict[int, Location]:
     """The run's steps that hold a ``.metadata`` (readable or not), by step."""
     found = await children(store, run)
-    heads = await scan.run_all(
+    heads = await listing.run_all(
         lambda at: store.head(at.bucket, at.metadata_key), found.values(), store
     )
     return {

@@ -19,9 +19,9 @@ from ..engine.store import get_store
 from ..errors import AccessDenied, BucketNotFound, IncompleteCheckpoint, StorageError
 from ..format.layout import Location
 from ..format.record import Checkpoint
-from . import scan, tree
+from . import listing, search
+from .listing import CheckpointInfo, Progress
 from .removal import GcReport, Removal, delete, gc, prune
-from .scan import CheckpointInfo, Progress
 
 if TYPE_CHECKING:
     from .export import Exported
@@ -48,27 +48,27 @@ __all__ = [
 def list_checkpoints(url: str, config: S3Config | None = None) -> list[CheckpointInfo]:
     """Checkpoints at ``url`` and at every depth below it, committed or not, in tree order (by
     path; ``step-2`` before ``step-10``). Incomplete ones count the parts of their uploads."""
-    found = bridge.run(tree.survey_all(get_store(config), scan.location_of(url)))
+    found = bridge.run(search.survey_all(get_store(config), listing.location_of(url)))
     return [f.info for f in found]
 
 
 def latest(url: str, config: S3Config | None = None) -> CheckpointInfo | None:
     """The committed checkpoint with the highest step at any depth (then the newest), or None."""
-    found = bridge.run(tree.latest(get_store(config), scan.location_of(url)))
+    found = bridge.run(search.latest(get_store(config), listing.location_of(url)))
     return None if found is None else found.info
 
 
 def highest(url: str, config: S3Config | None = None) -> list[CheckpointInfo]:
     """Every committed checkpoint with the highest step at any depth, newest first (`latest`
     is the first): more than one when runs under ``url`` tie."""
-    found = bridge.run(tree.highest(get_store(config), scan.location_of(url)))
+    found = bridge.run(search.highest(get_store(config), listing.location_of(url)))
     return [f.info for f in found]
 
 
 def describe(url: str, config: S3Config | None = None) -> tuple[CheckpointInfo, Checkpoint]:
     """The committed checkpoint at ``url`` and its record; else CheckpointNotFound or
     IncompleteCheckpoint (saying what the incomplete one holds, uploaded parts included)."""
-    return bridge.run(_describe(get_store(config), scan.location_of(url)))
+    return bridge.run(_describe(get_store(config), listing.location_of(url)))
 
 
 def read_state(
@@ -116,8 +116,8 @@ def _check_readable(url: str, config: S3Config | None) -> None:
 async def _describe(store: ObjectStore, location: Location) -> tuple[CheckpointInfo, Checkpoint]:
     at = await read_prefix(store, location)
     if at.state is State.INCOMPLETE:
-        pending = (await scan.uploads(store, location)).get(location.prefix, [])
-        info = (await scan.incomplete(store, location, list(at.data), pending)).info
+        pending = (await listing.uploads(store, location)).get(location.prefix, [])
+        info = (await listing.incomplete(store, location, list(at.data), pending)).info
         of_save = f" of save {info.save_id}" if info.save_id else ""
         raise IncompleteCheckpoint(
             f"{location.url} is incomplete: no .metadata, but {info.num_objects} data object(s) "
@@ -127,7 +127,7 @@ async def _describe(store: ObjectStore, location: Location) -> tuple[CheckpointI
             url=location.url,
         )
     checkpoint = at.require()
-    return scan.found(at).info, checkpoint
+    return listing.found(at).info, checkpoint
 
 
 def make_bucket(bucket: str, config: S3Config | None = None) -> bool:

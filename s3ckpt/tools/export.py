@@ -40,7 +40,7 @@ from ..format import readplan
 from ..format.record import TensorEntry
 from ..format.record.nesting import nest
 from ..format.tensorbytes import memory_of
-from .scan import Progress
+from .listing import Progress
 
 __all__ = ["Counter", "Exported", "Piece", "Source", "export", "read_state"]
 

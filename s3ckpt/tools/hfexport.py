@@ -38,7 +38,7 @@ from ..format.layout import Location
 from ..format.record import TensorEntry
 from ..format.tensorbytes import memory_of
 from .export import Counter, Source
-from .scan import Progress
+from .listing import Progress
 
 __all__ = ["DEFAULT_SHARD_SIZE", "SafetensorsExport", "export_safetensors", "parse_size"]
 

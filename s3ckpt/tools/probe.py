@@ -13,15 +13,15 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from ..checksums import checksum
 from ..config import S3Config, parse_s3_url
+from ..crc32c import checksum
 from ..dcp.fetching import run_all
 from ..engine import bridge
 from ..engine.contract import ObjectStore, Stats
 from ..engine.store import get_store
 from ..errors import S3CkptError
 from ..format.readplan import Fetch, Target
-from .scan import Transfer
+from .listing import Transfer
 
 __all__ = ["Probe", "probe"]
 

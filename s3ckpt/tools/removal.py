@@ -43,8 +43,8 @@ from ..errors import (
 )
 from ..format import layout
 from ..format.layout import Location
-from . import scan
-from .scan import CheckpointInfo, Progress
+from . import listing
+from .listing import CheckpointInfo, Progress
 
 __all__ = ["GcReport", "Removal", "StepPolicy", "delete", "gc", "prune", "remove"]
 
@@ -112,7 +112,7 @@ def delete(
 ) -> Removal:
     """Delete the checkpoint at ``url``: ``.metadata``, then its data objects, then abort its
     multipart uploads. If ``confirm`` declines, nothing is deleted (an empty Removal returns)."""
-    location, store = scan.location_of(url), get_store(config)
+    location, store = listing.location_of(url), get_store(config)
     target = bridge.run(_plan_delete(store, location))
     if confirm is not None:
         bridge.run(_spare(store, [target]))  # for the preview: `_remove` spares for real
@@ -126,7 +126,7 @@ def remove(url: str, records: Sequence[Record], config: S3Config | None = None) 
     under the run at ``url``, each only if its record is still the one judged (its ETag); returns
     those deleted. What a pin holds of their objects stays (`references.protected`), for a
     later pass or gc: a pin protects what a record references, not the record."""
-    location, store = scan.location_of(url), get_store(config)
+    location, store = listing.location_of(url), get_store(config)
     judged = [(r.location, r.etag, r.size) for r in records]
     targets = bridge.run(_plan_records(store, location, judged))
     _, dropped = bridge.run(_remove(store, location, targets, None, guarded=True))
@@ -150,7 +150,7 @@ def prune(
     returns those deleted. Incomplete ones are left to `gc`: they may be saves in progress."""
     if isinstance(keep, int) and keep < 1:
         raise ConfigError(f"keep must be >= 1 (the latest checkpoint is never pruned), got {keep}")
-    location, store = scan.location_of(url), get_store(config)
+    location, store = listing.location_of(url), get_store(config)
     plan = bridge.run(_plan_prune(store, location, keep))
     if not plan or (confirm is not None and not confirm([info for info, _ in plan])):
         return []
@@ -177,7 +177,7 @@ def gc(
     broken, they expire on their own."""
     if older_than < timedelta(0):
         raise ConfigError(f"older_than must not be negative, got {older_than}")
-    location, store = scan.location_of(url), get_store(config)
+    location, store = listing.location_of(url), get_store(config)
     targets = bridge.run(_plan_gc(store, location, older_than, break_leases))
     bridge.run(_spare(store, targets, writers=not break_leases))
     young = [key for t in targets for key in t.young]
@@ -224,10 +224,10 @@ def _report(
 async def _plan_delete(store: ObjectStore, location: Location) -> _Target:
     head = await store.head(location.bucket, location.metadata_key)
     data, now, foreign = await saves(store, location)
-    pending = (await scan.uploads(store, location)).get(location.prefix, [])
+    pending = (await listing.uploads(store, location)).get(location.prefix, [])
     size = None if head is None else head.size
     objects, uploads = _not_running(location, data, pending, now)
-    in_parts = await scan.upload_bytes(store, location.bucket, uploads)
+    in_parts = await listing.upload_bytes(store, location.bucket, uploads)
     target = _Target(location, None, size, objects, uploads, in_parts, left_alone=foreign)
     if head is None and not target.objects and not target.uploads:
         running = " but a running save's (its lease is live)" if data or pending else ""
@@ -267,8 +267,8 @@ def _foreign_text(bucket: str, keys: tuple[str, ...]) -> str:
 async def _plan_prune(
     store: ObjectStore, location: Location, keep: int | StepPolicy
 ) -> list[tuple[CheckpointInfo, _Target]]:
-    committed = [f for f in await scan.survey(store, location) if f.info.committed]
-    newest_first = sorted(committed, key=lambda f: scan.newness(f.info), reverse=True)
+    committed = [f for f in await listing.survey(store, location) if f.info.committed]
+    newest_first = sorted(committed, key=lambda f: listing.newness(f.info), reverse=True)
     if isinstance(keep, int):
         victims = newest_first[keep:]
     else:
@@ -287,13 +287,13 @@ async def _plan_records(
     size)`` of the record judged: their objects and uploads but a running save's."""
     if not records:
         return []
-    uploads = await scan.uploads(store, location)
-    data = await scan.run_all(lambda r: saves(store, r[0]), records, store)
+    uploads = await listing.uploads(store, location)
+    data = await listing.run_all(lambda r: saves(store, r[0]), records, store)
     targets = []
     for (at, etag, size), (found, now, foreign) in zip(records, data, strict=True):
         pending = uploads.get(at.prefix, [])
         objects, mine = _not_running(at, found, pending, now)
-        in_parts = await scan.upload_bytes(store, location.bucket, mine)
+        in_parts = await listing.upload_bytes(store, location.bucket, mine)
         targets.append(_Target(at, etag, size, objects, mine, in_parts, left_alone=foreign))
     return targets
 
@@ -306,7 +306,7 @@ def _not_running(
 ) -> tuple[list[StoredObject], list[Upload]]:
     """The objects and uploads of saves at ``location`` whose writer's lease is not live (what
     pins spare is decided last, by `_spare`)."""
-    live = scan.live_saves(data, now, pins=False)
+    live = listing.live_saves(data, now, pins=False)
     if live:
         log.warning("%s: sparing %d running save(s): %s", location.url, len(live), sorted(live))
     return (
@@ -318,13 +318,13 @@ def _not_running(
 async def _plan_gc(
     store: ObjectStore, location: Location, older_than: timedelta, break_leases: bool
 ) -> list[_Target]:
-    candidates, uploads = await scan.candidates(store, location, with_uploads=True)
+    candidates, uploads = await listing.candidates(store, location, with_uploads=True)
 
     async def one(candidate: Location) -> _Target:
         pending = uploads.get(candidate.prefix, [])
         return await _gc_one(store, candidate, pending, older_than, break_leases)
 
-    return await scan.run_all(one, candidates, store)
+    return await listing.run_all(one, candidates, store)
 
 
 async def _gc_one(
@@ -336,7 +336,7 @@ async def _gc_one(
 ) -> _Target:
     """Reads ``.metadata`` before listing: objects that a concurrent commit adds are recent."""
     try:
-        found = await scan.committed(store, location)
+        found = await listing.committed(store, location)
     except MetadataError as e:
         log.warning("%s: nothing collected, its record cannot be read: %s", location.url, e)
         data, _, foreign = await saves(store, location)
@@ -352,7 +352,7 @@ async def _gc_one(
         keep_id = found.checkpoint.save_id
         referenced = {location.key(key) for key in found.checkpoint.objects}
     data, now, foreign = await saves(store, location)
-    live = scan.live_saves(data, now, writers=not break_leases, pins=False)  # pins: `_spare`
+    live = listing.live_saves(data, now, writers=not break_leases, pins=False)  # pins: `_spare`
     by_save: dict[str, tuple[list[StoredObject], list[Upload]]] = {}
     for obj, save_id in data:
         # The committed save's objects stay, but not its lease once that has expired.
@@ -396,10 +396,10 @@ async def _idle(
     neither an object, nor an upload or a part of one (a large upload can start long before its
     last part arrives); None if it has."""
     written = [obj.modified for obj in objects] + [upload.initiated for upload in uploads]
-    if not all(scan.is_old(when, cutoff) for when in written):
+    if not all(listing.is_old(when, cutoff) for when in written):
         return None
-    parts = await scan.run_all(lambda u: store.list_parts(bucket, u), uploads, store)
-    if not all(scan.is_old(part.modified, cutoff) for listed in parts for part in listed):
+    parts = await listing.run_all(lambda u: store.list_parts(bucket, u), uploads, store)
+    if not all(listing.is_old(part.modified, cutoff) for listed in parts for part in listed):
         return None
     return sum(part.size for listed in parts for part in listed)
 
@@ -459,7 +459,7 @@ async def _remove(
     (when ``guarded``) the targets skipped because their ``.metadata`` changed since planning."""
     dropped: list[_Target] = []
     if guarded:
-        same = await scan.run_all(lambda t: _unchanged(store, t), targets, store)
+        same = await listing.run_all(lambda t: _unchanged(store, t), targets, store)
         dropped = [t for t, ok in zip(targets, same, strict=True) if not ok]
         targets = [t for t, ok in zip(targets, same, strict=True) if ok]
     plan = _preview(location.bucket, targets)
@@ -480,7 +480,7 @@ async def _remove(
         # since planning (its objects are then its record's, which a target without a record
         # to delete does not know).
         collecting = [t for t in targets if t.record_size is None]
-        same = await scan.run_all(lambda t: _unchanged(store, t), collecting, store)
+        same = await listing.run_all(lambda t: _unchanged(store, t), collecting, store)
         late = [t for t, ok in zip(collecting, same, strict=True) if not ok]
         dropped += late
         targets = [t for t in targets if t not in late]
@@ -494,7 +494,7 @@ async def _remove(
         )
     await _delete(store, plan.bucket, list(plan.deleted[len(records) :]), advance, doing)
     doing = f"{location.url}: objects deleted, but a multipart upload could not be aborted"
-    aborted = await scan.run_all(
+    aborted = await listing.run_all(
         lambda u: _abort(store, plan.bucket, u, advance, doing), plan.aborted, store
     )
     done_uploads = tuple(u for u, ok in zip(plan.aborted, aborted, strict=True) if ok)

@@ -15,7 +15,7 @@ from ..errors import ChecksumMismatch
 from ..format.frames import FrameTable
 from ..format.layout import Location
 from ..format.readplan import Fetch, check_plan
-from .scan import Transfer
+from .listing import Transfer
 
 __all__ = ["VerifyReport", "verify"]
 

@@ -12,8 +12,8 @@ from typing import Any, TypeVar
 
 import pytest
 
-from s3ckpt.checksums import Checksums, checksum
 from s3ckpt.config import MiB
+from s3ckpt.crc32c import Checksums, checksum
 from s3ckpt.engine import bridge
 from s3ckpt.engine.contract import ObjectStore
 from s3ckpt.engine.store import get_store

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from s3ckpt.tools.tree import tree_order
+from s3ckpt.tools.search import tree_order
 from tests.conftest import Cli, S3Env
 from tests.helpers import listing
 from tests.integration.test_catalog import save

@@ -24,8 +24,8 @@ import torch.distributed.checkpoint as dcp
 import zstandard
 
 from s3ckpt import S3Reader, S3Writer, WriteOptions
-from s3ckpt.checksums import checksum
 from s3ckpt.config import MiB
+from s3ckpt.crc32c import checksum
 from s3ckpt.engine.store import get_store
 from s3ckpt.errors import MetadataError, StorageError
 from s3ckpt.format.frames import RAW, ZSTD

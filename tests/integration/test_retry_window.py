@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 from botocore.exceptions import ClientError
 
 from s3ckpt import EndpointUnreachable, S3Config, S3Reader, S3Writer, StorageError, WriteOptions
-from s3ckpt.cli import FIRST_CONTACT_S, main
+from s3ckpt.cli.main import FIRST_CONTACT_S, main
 from s3ckpt.config import MiB
 from s3ckpt.engine import bridge
 from s3ckpt.engine.store import get_store

@@ -11,7 +11,7 @@ import pytest
 import s3ckpt
 
 PACKAGE = Path(s3ckpt.__file__).parent
-FOUNDATION = {"s3ckpt.config", "s3ckpt.errors", "s3ckpt.checksums", "s3ckpt.scatter"}
+FOUNDATION = {"s3ckpt.config", "s3ckpt.errors", "s3ckpt.crc32c", "s3ckpt.scatter"}
 # What each layer may import from s3ckpt, besides itself and the foundation.
 ALLOWED = {
     "foundation": set(),

@@ -12,7 +12,7 @@ import pytest
 import torch
 import zstandard
 
-from s3ckpt.checksums import checksum
+from s3ckpt.crc32c import checksum
 from s3ckpt.format import frames
 from s3ckpt.format.frames import ZSTD, FrameTable
 

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from s3ckpt.checksums import checksum
+from s3ckpt.crc32c import checksum
 from s3ckpt.format.packing import ALIGN, Packed
 
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from s3ckpt.checksums import Checksums, StreamCheck, checksum, combine
+from s3ckpt.crc32c import Checksums, StreamCheck, checksum, combine
 from s3ckpt.format.frames import FrameTable
 
 

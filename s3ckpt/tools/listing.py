@@ -4,7 +4,7 @@ A checkpoint is a "directory" holding ``.metadata`` (committed) or only ``data-<
 save that failed or is still running). The removals go one level deep (`candidates`, with
 ``Delimiter="/"``), so a parent prefix costs a listing page per 1000 children plus one small GET
 per checkpoint, never a listing of the bucket; listing and ``latest`` search every depth
-(`s3ckpt.tools.tree`). An incomplete checkpoint costs one ListParts per multipart upload, since a
+(`s3ckpt.tools.search`). An incomplete checkpoint costs one ListParts per multipart upload, since a
 save killed mid-upload holds its bytes there. Everything here is a coroutine for the `bridge`
 loop; the synchronous API is in `s3ckpt.tools.catalog`.
 """

@@ -20,7 +20,7 @@ from ..dcp.prefix import State, read_prefix
 from ..engine.contract import ObjectStore, StoredObject, Upload
 from ..format import layout
 from ..format.layout import Location
-from .scan import Found, found, incomplete, newness, readable, run_all
+from .listing import Found, found, incomplete, newness, readable, run_all
 
 __all__ = ["Listed", "highest", "latest", "listed", "survey_all", "tree_order"]
 
