@@ -292,7 +292,16 @@ class ChunkList(Sequence[Chunk]):
         if isinstance(index, slice):
             return list(self)[index]
         position = range(self._count)[index]  # IndexError as a list raises it
-        return next(self._chunks(position, position + 1))
+        # One chunk read straight from the columns: a load looks up each chunk it reads here,
+        # where slicing every column (`_fields`) cost more than the rest of the lookup.
+        table, count, at, row = self._table, self._count, self._col + position, self._row + position
+        dims = range(at, at + self._ndim * count, count)
+        return Chunk(
+            tuple(map(table.chunk_offsets.__getitem__, dims)),
+            tuple(map(table.chunk_sizes.__getitem__, dims)),
+            Locator(self._names[table.keys[row]], table.offsets[row], table.lengths[row]),
+            table.digest(row) if table.flags else None,
+        )
 
     def __iter__(self) -> Iterator[Chunk]:
         return self._chunks(0, self._count)
