@@ -8,8 +8,10 @@ reads them to time the run, to know when an upload is under way, and to compare 
 
 Exact continuation needs everything a step depends on in the checkpoint: the model, the optimizer
 (moments and step counts), the data order (the batch generator's state) and the global RNG, plus
-the same arithmetic, hence one thread and deterministic algorithms. `Training` holds them as one
-DCP ``Stateful``: DCP asks it for its state when a save starts and hands it back after a load.
+the same arithmetic, hence one thread and deterministic algorithms. The state passes them as they
+are: the manager takes the model's and the optimizer's state at each save and sets them after a
+restore, and `Batches` and `GlobalRng` are DCP ``Stateful`` objects, asked for their state when a
+save starts and handed it back after a load.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ... import CheckpointManager
@@ -34,7 +35,7 @@ from ...engine.contract import ObjectStore
 from ...engine.store import get_store
 from ...format.layout import Location, step_name
 
-__all__ = ["Batches", "TinyLM", "Training", "corpus", "train"]
+__all__ = ["Batches", "GlobalRng", "TinyLM", "corpus", "train"]
 
 CONTEXT = 64
 SEED = 0
@@ -107,40 +108,21 @@ class Events:
             sys.stdout.flush()
 
 
-class Training(Stateful):
-    """Everything the next step depends on, as one DCP ``Stateful``: a save asks for it when it
-    starts (so one state dict serves every save), a restore hands what it loaded back."""
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, batches: Batches):
-        self.model = model
-        self.optimizer = optimizer
-        self.batches = batches
+class GlobalRng(Stateful):
+    """torch's global generator, which dropout and initialisation draw from."""
 
     def state_dict(self) -> dict[str, Any]:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {
-            "model": model_sd,
-            "optim": optim_sd,
-            "data": self.batches.state_dict(),
-            "rng": torch.get_rng_state(),
-        }
+        return {"state": torch.get_rng_state()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_state_dict(
-            self.model,
-            self.optimizer,
-            model_state_dict=state_dict["model"],
-            optim_state_dict=state_dict["optim"],
-        )
-        self.batches.load_state_dict(state_dict["data"])
-        torch.set_rng_state(state_dict["rng"])
+        torch.set_rng_state(state_dict["state"])
 
 
 def state_bytes(state: Any) -> int:
     """Bytes of the tensors in ``state``: what a save has to move, before any compression."""
     if isinstance(state, torch.Tensor):
         return state.numel() * state.element_size()
-    if isinstance(state, Stateful):
+    if isinstance(state, nn.Module | torch.optim.Optimizer | Stateful):
         return state_bytes(state.state_dict())
     if isinstance(state, dict):
         return sum(state_bytes(value) for value in state.values())
@@ -188,7 +170,7 @@ def train(url: str, steps: int, every: int, batch: int, keep_last: int) -> None:
     model = TinyLM(vocab)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batches = Batches(data, batch)
-    state = {"training": Training(model, optimizer, batches)}
+    state = {"model": model, "optim": optimizer, "data": batches, "rng": GlobalRng()}
     with CheckpointManager(url, keep_last=keep_last, every=every) as mgr:
         began = time.time()
         start = mgr.restore(state)  # the step it loaded, or None: the run has no checkpoint yet
