@@ -11,7 +11,7 @@ where it got.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import botocore.exceptions
@@ -28,6 +28,18 @@ from .retry import RetryPolicy
 __all__ = ["Downloads"]
 
 _READ_CHUNK = 1024 * 1024
+
+
+def _chunks(body: Any) -> Callable[[int], Awaitable[bytes]]:
+    """The body's next chunk, of at most the given size. aiohttp's ``read(n)`` joins what it has
+    buffered into a new bytes; ``readany`` hands over one buffered chunk as it came, so the bytes
+    are copied once, into their destination (the sizes are then aiohttp's, never past the body's
+    end). Other backends read as asked."""
+    content = getattr(getattr(body, "raw_stream", None), "content", None)
+    readany = getattr(content, "readany", None)
+    if readany is None:
+        return body.read  # type: ignore[no-any-return]
+    return lambda _size: readany()
 
 
 def _count(text: Any) -> int | None:
@@ -98,8 +110,9 @@ class Downloads:
             reply = await self._get_range(bucket, key, scatter.position, end, size)
             deadline = self._deadline(bucket, key, end - scatter.position)
             async with reply["Body"] as body:
+                read = _chunks(body)
                 while scatter.position < end:
-                    chunk = await deadline.wait(body.read(min(_READ_CHUNK, end - scatter.position)))
+                    chunk = await deadline.wait(read(min(_READ_CHUNK, end - scatter.position)))
                     if not chunk:
                         break
                     # Scatter first: a chunk may end verified frames before a damaged one, and a
