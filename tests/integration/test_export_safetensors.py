@@ -5,6 +5,7 @@ conversion, incremental and resharded checkpoints, and exports that fail leaving
 from __future__ import annotations
 
 import json
+import math
 import socket
 from pathlib import Path
 from typing import Any
@@ -14,12 +15,13 @@ import safetensors.torch
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from s3ckpt import ChecksumMismatch, ConfigError, S3Writer, export_safetensors
+from s3ckpt import ChecksumMismatch, ConfigError, S3Reader, S3Writer, export_safetensors
 from s3ckpt.config import MiB
 from s3ckpt.format.record import decode
 from s3ckpt.tools.hfexport import parse_size
-from tests import dist_workers
+from tests import dist_workers, safetensors_workers
 from tests.conftest import Cli, S3Env
 from tests.helpers import listing, uploads_in_progress
 
@@ -158,6 +160,51 @@ def test_a_checkpoint_sharded_over_two_ranks_exports_whole_tensors(
     full = dist_workers.reference_state()
     _same(_read_dir(tmp_path / "hf"), {**full, "plain": full["replicated"]})
     assert done.skipped == ("step",)
+
+
+def _chunks(url: str, s3: S3Env) -> dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]:
+    """Each tensor's stored chunks (offsets, sizes), as the checkpoint's record holds them."""
+    metadata = S3Reader(url, config=s3.config()).read_metadata()
+    return {
+        fqn: sorted((tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks)
+        for fqn, entry in metadata.state_dict_metadata.items()
+        if isinstance(entry, TensorStorageMetadata)
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("s3", ["moto"], indirect=True)
+def test_uneven_and_resharded_checkpoints_export_the_same_bytes(
+    s3: S3Env, bucket: str, tmp_path: Path
+) -> None:
+    """Issue #26: two ranks save tensors split on a later dim and unevenly (4 rows and 3, one
+    row and none); that checkpoint restored whole on one rank and saved again; that one
+    restored on two ranks in other placements and saved again. All three export whole tensors,
+    to the same bytes, file by file (sharded output: every file and the index)."""
+    worker = safetensors_workers.save_uneven
+    two, one, again = (f"s3://{bucket}/{name}" for name in ("two", "one", "again"))
+    mp.spawn(worker, args=(2, _free_port(), s3.config(), two, None), nprocs=2)
+    full = safetensors_workers.uneven_reference()
+    whole = {name: torch.zeros_like(tensor) for name, tensor in full.items()}
+    dcp.load(whole, storage_reader=S3Reader(two, config=s3.config()))  # no process group
+    _save(s3, one, whole)
+    mp.spawn(worker, args=(2, _free_port(), s3.config(), again, one), nprocs=2)
+
+    stored = _chunks(two, s3)
+    assert stored["wide"] == [((0, 0), (6, 5)), ((0, 5), (6, 5))]
+    assert stored["odd"] == [((0, 0), (4, 5)), ((4, 0), (3, 5))]
+    assert stored["middle"] == [((0, 0, 0), (3, 4, 4)), ((0, 4, 0), (3, 3, 4))]
+    assert [c for c in stored["one_row"] if math.prod(c[1])] == [((0, 0), (1, 6))]  # and none
+    assert all(len(chunks) == 1 for chunks in _chunks(one, s3).values())
+    assert _chunks(again, s3)["middle"] == [((0, 0, 0), (3, 7, 2)), ((0, 0, 2), (3, 7, 2))]
+
+    exported = []
+    for name, url in (("two", two), ("one", one), ("again", again)):
+        export_safetensors(url, tmp_path / name, s3.config(), max_shard_size="300B")
+        _same(_read_dir(tmp_path / name), full)
+        exported.append({p.name: p.read_bytes() for p in (tmp_path / name).iterdir()})
+    assert len(exported[0]) > 2 and "model.safetensors.index.json" in exported[0]
+    assert exported[1] == exported[0] and exported[2] == exported[0]
 
 
 def _corrupt(s3: S3Env, bucket: str, prefix: str, name: str) -> None:
