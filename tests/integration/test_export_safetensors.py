@@ -97,6 +97,45 @@ def test_cli_exports_the_model_to_s3_as_one_file_the_library_reads(
     assert header["__metadata__"] == {"format": "pt"}
 
 
+def test_cli_converts_to_bfloat16_in_files_of_at_most_max_shard_size(
+    cli: Cli, s3: S3Env, bucket: str, tmp_path: Path
+) -> None:
+    """Issue #26: ``--dtype bfloat16 --max-shard-size 20KB`` through the command line: files
+    named as HF names them, each of at most 20 KB of data unless it holds one larger tensor,
+    floats in BF16 and the other dtypes as saved."""
+    state = _state()
+    url = f"s3://{bucket}/run/step-9"
+    _save(s3, url, state)
+    dest = tmp_path / "hf"
+    code, out, err = cli(
+        "--json", "export", url, str(dest), "--format", "safetensors", "--select", "model",
+        "--dtype", "bfloat16", "--max-shard-size", "20KB",
+    )  # fmt: skip
+    assert code == 0, err
+    index = json.loads((dest / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    count = len(files)
+    assert count >= 2
+    assert files == [f"model-{k:05d}-of-{count:05d}.safetensors" for k in range(1, count + 1)]
+    names = [*files, "model.safetensors.index.json"]
+    assert sorted(p.name for p in dest.iterdir()) == names
+    assert [Path(f).name for f in json.loads(out)["files"]] == names
+    dtypes: dict[str, str] = {}
+    for name in files:
+        raw = (dest / name).read_bytes()
+        header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
+        assert header.pop("__metadata__") == {"format": "pt"}
+        data = sum(end - start for start, end in (t["data_offsets"] for t in header.values()))
+        assert data <= 20_000 or len(header) == 1, (name, data)
+        dtypes |= {tensor: info["dtype"] for tensor, info in header.items()}
+    assert dtypes == {
+        "embed": "BF16", "proj.weight": "BF16", "scale": "BF16", "empty": "BF16",
+        "ids": "I64", "count": "I32", "mask": "BOOL",
+    }  # fmt: skip
+    expected = {k: v.bfloat16() if v.is_floating_point() else v for k, v in _model(state).items()}
+    _same(_read_dir(dest), expected)
+
+
 def test_a_whole_checkpoint_keeps_its_names_and_skips_what_is_not_a_tensor(
     s3: S3Env, bucket: str, tmp_path: Path
 ) -> None:
