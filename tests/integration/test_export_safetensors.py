@@ -283,6 +283,30 @@ def test_an_export_refuses_a_destination_that_holds_one(
         export_safetensors(f"s3://{bucket}/ck", tmp_path, s3.config(), select="nothing")
 
 
+@pytest.mark.stores("memory")
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        pytest.param({"dtype": torch.int8}, "expected a floating-point dtype", id="int8"),
+        pytest.param({"dtype": "int32"}, "expected a floating-point dtype", id="int32-by-name"),
+        pytest.param({"dtype": "complex64"}, "expected a floating-point dtype", id="complex64"),
+        pytest.param({"max_shard_size": 0}, "max_shard_size must be a positive", id="zero"),
+        pytest.param({"max_shard_size": "5XB"}, "expected a size such as 5GB", id="no-unit"),
+    ],
+)
+def test_a_wrong_dtype_or_size_is_refused_before_the_checkpoint_is_read(
+    s3: S3Env, bucket: str, tmp_path: Path, option: dict[str, Any], message: str
+) -> None:
+    """Issue #26: a dtype that is not floating-point (torch.int8 used to turn every float into
+    int8) or a size that is not one is a ConfigError, raised before the checkpoint is looked
+    for (at ``none`` there is none: otherwise CheckpointNotFound)."""
+    _save(s3, f"s3://{bucket}/ck", _state())
+    for url in (f"s3://{bucket}/none", f"s3://{bucket}/ck"):
+        with pytest.raises(ConfigError, match=message):
+            export_safetensors(url, tmp_path / "hf", s3.config(), **option)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_sizes_read_as_save_pretrained_writes_them() -> None:
     assert parse_size("5GB") == 5 * 10**9 and parse_size("500MiB") == 500 * 2**20
     assert parse_size("1000") == 1000 and parse_size("1.5 kb") == 1500
