@@ -85,18 +85,22 @@ def export_safetensors(
     """Write the tensors of the committed checkpoint at ``url`` to ``dest`` (a local directory
     or an ``s3://`` prefix) in the Hugging Face layout: ``model.safetensors``, or files of at
     most ``max_shard_size`` bytes and ``model.safetensors.index.json``. ``select="model"`` keeps
-    the entries under ``model`` and drops that prefix from their names; ``dtype`` converts the
-    floating-point tensors. ``dest`` must not hold safetensors files already. ``progress(done,
+    the entries under ``model`` and drops that prefix from their names; ``dtype`` (a
+    floating-point one: another is a ConfigError, raised before anything is read, as is a size
+    that is not one) converts the floating-point tensors. ``dest`` must not hold safetensors
+    files already. ``progress(done,
     total)`` counts the bytes read."""
     select = select.strip(".") if select else None
+    wanted = None if dtype is None else _torch_dtype(dtype)  # refused before anything is read
+    limit = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
+    if limit < 1:
+        raise ConfigError(f"max_shard_size must be a positive number of bytes, got {limit}")
     source = Source(url, config, trust_pickles=False)
     names = _selected(source, select)
     if not names:
         raise ConfigError(f"{url}: no tensors under {select!r} to export")
-    wanted = None if dtype is None else _torch_dtype(dtype)
     out = {fqn: _output_dtype(fqn, source.tensors[fqn].properties.dtype, wanted) for fqn in names}
     sizes = [(name, _nbytes(source, fqn, out[fqn])) for fqn, name in names.items()]
-    limit = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
     shards = st.plan_shards(sizes, limit)
     fqn_of = {name: fqn for fqn, name in names.items()}
     headers = {
@@ -160,8 +164,9 @@ def _selected(source: Source, select: str | None) -> dict[str, str]:
 
 def _torch_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
-        return dtype
-    found = getattr(torch, _ALIASES.get(dtype.lower(), dtype.lower()), None)
+        found: object = dtype
+    else:
+        found = getattr(torch, _ALIASES.get(dtype.lower(), dtype.lower()), None)
     if not isinstance(found, torch.dtype) or not found.is_floating_point:
         raise ConfigError(f"expected a floating-point dtype such as bfloat16 or float32: {dtype!r}")
     return found

@@ -72,6 +72,48 @@ def test_export_writes_a_torch_save_file_equal_to_the_saved_state(
     assert code == 0 and json.loads(stdout)["tensors"] == 5
 
 
+@pytest.mark.parametrize(
+    "option",
+    [["--dtype", "bfloat16"], ["--max-shard-size", "1GB"], ["--select", "model"]],
+    ids=["dtype", "max-shard-size", "select"],
+)
+def test_safetensors_options_are_refused_with_format_torch(
+    cli: Cli, s3: S3Env, bucket: str, tmp_path: Path, option: list[str]
+) -> None:
+    """Issue #26: options of ``--format safetensors`` beside the (default) torch format are a
+    usage error, not ignored: exit 2, a message naming them, nothing written."""
+    url = f"s3://{bucket}/ck"
+    dcp.save(_state(), storage_writer=S3Writer(url, config=s3.config()))
+    out = tmp_path / "out.pt"
+    for chosen in ([], ["--format", "torch"]):
+        code, stdout, stderr = cli("export", url, str(out), *chosen, *option)
+        assert code == 2, (chosen, option, stderr)
+        assert "--select, --dtype and --max-shard-size go with --format safetensors" in stderr
+        assert stdout == "" and "Traceback" not in stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        (["--dtype", "int8"], "expected a floating-point dtype such as bfloat16"),
+        (["--dtype", "bfloat17"], "expected a floating-point dtype such as bfloat16"),
+        (["--max-shard-size", "5XB"], "expected a size such as 5GB"),
+        (["--max-shard-size", "0"], "expected a size such as 5GB"),
+    ],
+    ids=["int8", "unknown", "unit", "zero"],
+)
+def test_a_wrong_safetensors_option_is_a_usage_error_before_any_read(
+    cli: Cli, s3: S3Env, bucket: str, tmp_path: Path, option: list[str], message: str
+) -> None:
+    """Issue #26: exit 2 with the reason, even where no checkpoint is (not 3: not found)."""
+    dest = tmp_path / "hf"
+    url = f"s3://{bucket}/none"
+    code, _, stderr = cli("export", url, str(dest), "--format", "safetensors", *option)
+    assert code == 2 and message in stderr, (code, stderr)
+    assert not dest.exists()
+
+
 def test_export_writes_tensors_larger_than_its_memory_in_slabs(
     s3: S3Env, bucket: str, tmp_path: Path
 ) -> None:

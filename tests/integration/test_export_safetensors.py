@@ -5,6 +5,7 @@ conversion, incremental and resharded checkpoints, and exports that fail leaving
 from __future__ import annotations
 
 import json
+import math
 import socket
 from pathlib import Path
 from typing import Any
@@ -14,12 +15,13 @@ import safetensors.torch
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from s3ckpt import ChecksumMismatch, ConfigError, S3Writer, export_safetensors
+from s3ckpt import ChecksumMismatch, ConfigError, S3Reader, S3Writer, export_safetensors
 from s3ckpt.config import MiB
 from s3ckpt.format.record import decode
 from s3ckpt.tools.hfexport import parse_size
-from tests import dist_workers
+from tests import dist_workers, safetensors_workers
 from tests.conftest import Cli, S3Env
 from tests.helpers import listing, uploads_in_progress
 
@@ -95,6 +97,45 @@ def test_cli_exports_the_model_to_s3_as_one_file_the_library_reads(
     assert header["__metadata__"] == {"format": "pt"}
 
 
+def test_cli_converts_to_bfloat16_in_files_of_at_most_max_shard_size(
+    cli: Cli, s3: S3Env, bucket: str, tmp_path: Path
+) -> None:
+    """Issue #26: ``--dtype bfloat16 --max-shard-size 20KB`` through the command line: files
+    named as HF names them, each of at most 20 KB of data unless it holds one larger tensor,
+    floats in BF16 and the other dtypes as saved."""
+    state = _state()
+    url = f"s3://{bucket}/run/step-9"
+    _save(s3, url, state)
+    dest = tmp_path / "hf"
+    code, out, err = cli(
+        "--json", "export", url, str(dest), "--format", "safetensors", "--select", "model",
+        "--dtype", "bfloat16", "--max-shard-size", "20KB",
+    )  # fmt: skip
+    assert code == 0, err
+    index = json.loads((dest / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    count = len(files)
+    assert count >= 2
+    assert files == [f"model-{k:05d}-of-{count:05d}.safetensors" for k in range(1, count + 1)]
+    names = [*files, "model.safetensors.index.json"]
+    assert sorted(p.name for p in dest.iterdir()) == names
+    assert [Path(f).name for f in json.loads(out)["files"]] == names
+    dtypes: dict[str, str] = {}
+    for name in files:
+        raw = (dest / name).read_bytes()
+        header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
+        assert header.pop("__metadata__") == {"format": "pt"}
+        data = sum(end - start for start, end in (t["data_offsets"] for t in header.values()))
+        assert data <= 20_000 or len(header) == 1, (name, data)
+        dtypes |= {tensor: info["dtype"] for tensor, info in header.items()}
+    assert dtypes == {
+        "embed": "BF16", "proj.weight": "BF16", "scale": "BF16", "empty": "BF16",
+        "ids": "I64", "count": "I32", "mask": "BOOL",
+    }  # fmt: skip
+    expected = {k: v.bfloat16() if v.is_floating_point() else v for k, v in _model(state).items()}
+    _same(_read_dir(dest), expected)
+
+
 def test_a_whole_checkpoint_keeps_its_names_and_skips_what_is_not_a_tensor(
     s3: S3Env, bucket: str, tmp_path: Path
 ) -> None:
@@ -160,6 +201,51 @@ def test_a_checkpoint_sharded_over_two_ranks_exports_whole_tensors(
     assert done.skipped == ("step",)
 
 
+def _chunks(url: str, s3: S3Env) -> dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]]:
+    """Each tensor's stored chunks (offsets, sizes), as the checkpoint's record holds them."""
+    metadata = S3Reader(url, config=s3.config()).read_metadata()
+    return {
+        fqn: sorted((tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks)
+        for fqn, entry in metadata.state_dict_metadata.items()
+        if isinstance(entry, TensorStorageMetadata)
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("s3", ["moto"], indirect=True)
+def test_uneven_and_resharded_checkpoints_export_the_same_bytes(
+    s3: S3Env, bucket: str, tmp_path: Path
+) -> None:
+    """Issue #26: two ranks save tensors split on a later dim and unevenly (4 rows and 3, one
+    row and none); that checkpoint restored whole on one rank and saved again; that one
+    restored on two ranks in other placements and saved again. All three export whole tensors,
+    to the same bytes, file by file (sharded output: every file and the index)."""
+    worker = safetensors_workers.save_uneven
+    two, one, again = (f"s3://{bucket}/{name}" for name in ("two", "one", "again"))
+    mp.spawn(worker, args=(2, _free_port(), s3.config(), two, None), nprocs=2)
+    full = safetensors_workers.uneven_reference()
+    whole = {name: torch.zeros_like(tensor) for name, tensor in full.items()}
+    dcp.load(whole, storage_reader=S3Reader(two, config=s3.config()))  # no process group
+    _save(s3, one, whole)
+    mp.spawn(worker, args=(2, _free_port(), s3.config(), again, one), nprocs=2)
+
+    stored = _chunks(two, s3)
+    assert stored["wide"] == [((0, 0), (6, 5)), ((0, 5), (6, 5))]
+    assert stored["odd"] == [((0, 0), (4, 5)), ((4, 0), (3, 5))]
+    assert stored["middle"] == [((0, 0, 0), (3, 4, 4)), ((0, 4, 0), (3, 3, 4))]
+    assert [c for c in stored["one_row"] if math.prod(c[1])] == [((0, 0), (1, 6))]  # and none
+    assert all(len(chunks) == 1 for chunks in _chunks(one, s3).values())
+    assert _chunks(again, s3)["middle"] == [((0, 0, 0), (3, 7, 2)), ((0, 0, 2), (3, 7, 2))]
+
+    exported = []
+    for name, url in (("two", two), ("one", one), ("again", again)):
+        export_safetensors(url, tmp_path / name, s3.config(), max_shard_size="300B")
+        _same(_read_dir(tmp_path / name), full)
+        exported.append({p.name: p.read_bytes() for p in (tmp_path / name).iterdir()})
+    assert len(exported[0]) > 2 and "model.safetensors.index.json" in exported[0]
+    assert exported[1] == exported[0] and exported[2] == exported[0]
+
+
 def _corrupt(s3: S3Env, bucket: str, prefix: str, name: str) -> None:
     """Flip a stored byte in the middle of tensor ``name``."""
     raw = s3.client.get_object(Bucket=bucket, Key=f"{prefix}/.metadata")["Body"].read()
@@ -195,6 +281,30 @@ def test_an_export_refuses_a_destination_that_holds_one(
         export_safetensors(f"s3://{bucket}/ck", f"s3://{bucket}/hf", s3.config())
     with pytest.raises(ConfigError, match="no tensors under 'nothing'"):
         export_safetensors(f"s3://{bucket}/ck", tmp_path, s3.config(), select="nothing")
+
+
+@pytest.mark.stores("memory")
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        pytest.param({"dtype": torch.int8}, "expected a floating-point dtype", id="int8"),
+        pytest.param({"dtype": "int32"}, "expected a floating-point dtype", id="int32-by-name"),
+        pytest.param({"dtype": "complex64"}, "expected a floating-point dtype", id="complex64"),
+        pytest.param({"max_shard_size": 0}, "max_shard_size must be a positive", id="zero"),
+        pytest.param({"max_shard_size": "5XB"}, "expected a size such as 5GB", id="no-unit"),
+    ],
+)
+def test_a_wrong_dtype_or_size_is_refused_before_the_checkpoint_is_read(
+    s3: S3Env, bucket: str, tmp_path: Path, option: dict[str, Any], message: str
+) -> None:
+    """Issue #26: a dtype that is not floating-point (torch.int8 used to turn every float into
+    int8) or a size that is not one is a ConfigError, raised before the checkpoint is looked
+    for (at ``none`` there is none: otherwise CheckpointNotFound)."""
+    _save(s3, f"s3://{bucket}/ck", _state())
+    for url in (f"s3://{bucket}/none", f"s3://{bucket}/ck"):
+        with pytest.raises(ConfigError, match=message):
+            export_safetensors(url, tmp_path / "hf", s3.config(), **option)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_sizes_read_as_save_pretrained_writes_them() -> None:

@@ -1,9 +1,11 @@
 """`SafetensorsReader` on real servers: files the ``safetensors`` library wrote, exported sharded
-directories, FSDP2 shards fetching only their byte ranges, and the errors for what cannot load."""
+directories, FSDP2 shards fetching only their byte ranges, adjacent ranges coalesced into few GETs
+(and distant ones not), and the errors for what cannot load."""
 
 from __future__ import annotations
 
 import json
+import math
 import socket
 import struct
 from typing import Any
@@ -22,6 +24,7 @@ from s3ckpt import (
     SafetensorsReader,
     export_safetensors,
 )
+from s3ckpt.config import MiB
 from s3ckpt.testing.faultproxy import FaultProxy
 from tests import safetensors_workers
 from tests.conftest import S3Env
@@ -165,3 +168,49 @@ def test_each_fsdp2_rank_fetches_only_its_half(s3: S3Env, bucket: str) -> None:
     header = 64 * 1024  # each rank's first read of the file (the header, and data after it)
     for rank, got in enumerate(served):
         assert len(body) / 2 <= got <= len(body) / 2 + header + 8 * 1024, (rank, got, len(body))
+
+
+@pytest.mark.parametrize("s3", ["seaweedfs"], indirect=True)
+def test_adjacent_tensors_load_with_few_gets(s3: S3Env, bucket: str) -> None:
+    """Issue #26: 500 adjacent tensors of 12 KiB (5.9 MiB, over one 5 MiB part) load with the
+    header's GET and one GET per part of data, each byte served once."""
+    generator = torch.Generator().manual_seed(3)
+    state = {f"layers.{i:03d}.weight": torch.randn(3072, generator=generator) for i in range(500)}
+    body = safetensors.torch.save(state)
+    data = sum(t.numel() * t.element_size() for t in state.values())
+    s3.client.put_object(Bucket=bucket, Key="hf/model.safetensors", Body=body)
+    loaded = _empty_like(state)
+    with FaultProxy(s3.endpoint_url) as proxy:
+        config = s3.config(endpoint_url=proxy.endpoint_url, part_size=5 * MiB)
+        dcp.load(loaded, storage_reader=SafetensorsReader(bucket, "hf", config=config))
+        gets, served = proxy.requests["GetObject"], proxy.served["GetObject"]
+    _same(loaded, state)
+    header = 64 * 1024  # the first read of the file: the header and the data after it
+    assert gets == 1 + math.ceil(data / (5 * MiB)) == 3, gets  # against 500 tensors
+    assert served == header + data, (served, data)
+
+
+@pytest.mark.parametrize("s3", ["seaweedfs"], indirect=True)
+def test_ranges_further_apart_than_max_gap_are_fetched_apart(s3: S3Env, bucket: str) -> None:
+    """Issue #26: three tensors of 1 KiB with 2 MiB tensors between them, loaded alone: with the
+    default max_gap (1 MiB) three GETs of just their bytes; with max_gap=4 MiB one GET over
+    the gaps."""
+    generator = torch.Generator().manual_seed(4)
+    small = {name: torch.randn(256, generator=generator) for name in ("a", "c", "e")}
+    fill = {name: torch.randn(512 * 1024, generator=generator) for name in ("b", "d")}
+    body = safetensors.torch.save(small | fill)  # ordered by name: a, b, c, d, e
+    s3.client.put_object(Bucket=bucket, Key="hf/model.safetensors", Body=body)
+    header = 64 * 1024
+    spanned = 3 * 1024 + 2 * 2 * MiB  # a to e, the fillers included
+    for max_gap, gets, served in (
+        (1 * MiB, 1 + 3, header + 3 * 1024),
+        (4 * MiB, 1 + 1, header + spanned),
+    ):
+        loaded = _empty_like(small)
+        with FaultProxy(s3.endpoint_url) as proxy:
+            config = s3.config(endpoint_url=proxy.endpoint_url)
+            reader = SafetensorsReader(bucket, "hf", config=config, max_gap=max_gap)
+            dcp.load(loaded, storage_reader=reader)
+            counted = proxy.requests["GetObject"], proxy.served["GetObject"]
+        _same(loaded, small)
+        assert counted == (gets, served), (max_gap, counted)
