@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -13,9 +14,32 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch.multiprocessing as mp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from s3ckpt.config import S3Config
+
+# What every rank imports: the fork server imports it once, and each rank starts with it.
+_RANKS_IMPORT = [
+    "torch",
+    "torch.distributed.checkpoint",
+    "s3ckpt",
+    "s3ckpt.dcp.reader",
+    "s3ckpt.dcp.writer",
+    "s3ckpt.manager",
+    "tests.dist_workers",
+    "tests.manager_workers",
+    "tests.safetensors_workers",
+    "tests.share_workers",
+]
+
+
+def spawn(fn: Callable[..., None], args: tuple[Any, ...], nprocs: int) -> None:
+    """``mp.spawn``, with ranks forked from a server process that imported torch and s3ckpt once
+    (and nothing else: no thread, no store). A spawned rank imports them itself, 4 s of CPU
+    each on this machine: a quarter of the whole suite's CPU went to that."""
+    multiprocessing.get_context("forkserver").set_forkserver_preload(_RANKS_IMPORT)
+    mp.start_processes(fn, args=args, nprocs=nprocs, start_method="forkserver")
 
 
 def raised(call: Callable[[], Any]) -> BaseException:

@@ -8,11 +8,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 
 from s3ckpt import S3Reader
 from tests import dist_workers
-from tests.helpers import listing
+from tests.helpers import listing, spawn
 
 pytestmark = [pytest.mark.slow, pytest.mark.stores("seaweedfs")]  # ranks: not the wire
 
@@ -26,7 +25,7 @@ def free_port() -> int:
 def test_two_ranks_save_and_load_on_two_and_on_one(s3: Any, bucket: str) -> None:
     url = f"s3://{bucket}/sharded"
     config = s3.config()
-    mp.spawn(dist_workers.save_sharded, args=(2, free_port(), config, url), nprocs=2)
+    spawn(dist_workers.save_sharded, args=(2, free_port(), config, url), nprocs=2)
 
     ranks = {key.split("/")[-1][:5] for key in listing(s3.client, bucket) if "/data-" in key}
     assert ranks == {"00000", "00001"}, "every rank writes its own objects"
@@ -39,7 +38,7 @@ def test_two_ranks_save_and_load_on_two_and_on_one(s3: Any, bucket: str) -> None
     )
 
     # Two ranks with other placements: every read is a sub-rectangle of a saved shard.
-    mp.spawn(dist_workers.load_sharded, args=(2, free_port(), config, url), nprocs=2)
+    spawn(dist_workers.load_sharded, args=(2, free_port(), config, url), nprocs=2)
 
     # One process, no process group: each saved shard lands in a slice of a whole tensor.
     loaded: dict[str, Any] = {k: torch.zeros_like(v) for k, v in full.items()}
@@ -52,14 +51,14 @@ def test_two_ranks_save_and_load_on_two_and_on_one(s3: Any, bucket: str) -> None
 
 def test_async_save_process_mode(s3: Any, bucket: str) -> None:
     url = f"s3://{bucket}/process-mode"
-    mp.spawn(dist_workers.process_mode_round_trip, args=(free_port(), s3.config(), url), nprocs=1)
+    spawn(dist_workers.process_mode_round_trip, args=(free_port(), s3.config(), url), nprocs=1)
     assert "process-mode/.metadata" in listing(s3.client, bucket)
 
 
 def test_async_save_process_mode_on_two_ranks(s3: Any, bucket: str) -> None:
     url = f"s3://{bucket}/process-2"
     args = (2, free_port(), s3.config(), url)
-    mp.spawn(dist_workers.process_mode_sharded, args=args, nprocs=2)
+    spawn(dist_workers.process_mode_sharded, args=args, nprocs=2)
     ranks = {k.split("/")[-1][:5] for k in listing(s3.client, bucket) if "process-2/data-" in k}
     assert ranks == {"00000", "00001"}
 
@@ -68,7 +67,7 @@ def test_incremental_async_save_in_process_mode(s3: Any, bucket: str) -> None:
     from s3ckpt.tools.catalog import describe
 
     config, run = s3.config(), f"s3://{bucket}/run"
-    mp.spawn(dist_workers.process_mode_incremental, args=(free_port(), config, run), nprocs=1)
+    spawn(dist_workers.process_mode_incremental, args=(free_port(), config, run), nprocs=1)
     second, _ = describe(f"{run}/step-2", config)
     full = dist_workers.reference_state()
     moved = full["rows"].numel() * full["rows"].element_size()
@@ -86,7 +85,7 @@ def test_incremental_saves_on_two_ranks_reference_each_ranks_unchanged_shards(
     config, run = s3.config(), f"s3://{bucket}/run"
     for step, layout, bump in ((1, "a", 0.0), (2, "a", 1.0), (3, "b", 1.0)):
         args = (2, free_port(), config, f"{run}/step-{step}", layout, bump)
-        mp.spawn(dist_workers.save_incremental, args=args, nprocs=2)
+        spawn(dist_workers.save_incremental, args=args, nprocs=2)
     full = dist_workers.reference_state()
     second, _ = describe(f"{run}/step-2", config)
     moved = full["rows"].numel() * full["rows"].element_size()

@@ -14,7 +14,6 @@ import pytest
 import safetensors.torch
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from s3ckpt import ChecksumMismatch, ConfigError, S3Reader, S3Writer, export_safetensors
@@ -23,7 +22,7 @@ from s3ckpt.format.record import decode
 from s3ckpt.tools.hfexport import parse_size
 from tests import dist_workers, safetensors_workers
 from tests.conftest import Cli, S3Env
-from tests.helpers import listing, uploads_in_progress
+from tests.helpers import listing, spawn, uploads_in_progress
 
 PARTS = {"part_size": 5 * MiB, "multipart_threshold": 5 * MiB}
 
@@ -194,7 +193,7 @@ def test_a_checkpoint_sharded_over_two_ranks_exports_whole_tensors(
     s3: S3Env, bucket: str, tmp_path: Path
 ) -> None:
     url = f"s3://{bucket}/sharded"
-    mp.spawn(dist_workers.save_sharded, args=(2, _free_port(), s3.config(), url), nprocs=2)
+    spawn(dist_workers.save_sharded, args=(2, _free_port(), s3.config(), url), nprocs=2)
     done = export_safetensors(url, tmp_path / "hf", s3.config())
     full = dist_workers.reference_state()
     _same(_read_dir(tmp_path / "hf"), {**full, "plain": full["replicated"]})
@@ -222,12 +221,12 @@ def test_uneven_and_resharded_checkpoints_export_the_same_bytes(
     to the same bytes, file by file (sharded output: every file and the index)."""
     worker = safetensors_workers.save_uneven
     two, one, again = (f"s3://{bucket}/{name}" for name in ("two", "one", "again"))
-    mp.spawn(worker, args=(2, _free_port(), s3.config(), two, None), nprocs=2)
+    spawn(worker, args=(2, _free_port(), s3.config(), two, None), nprocs=2)
     full = safetensors_workers.uneven_reference()
     whole = {name: torch.zeros_like(tensor) for name, tensor in full.items()}
     dcp.load(whole, storage_reader=S3Reader(two, config=s3.config()))  # no process group
     _save(s3, one, whole)
-    mp.spawn(worker, args=(2, _free_port(), s3.config(), again, one), nprocs=2)
+    spawn(worker, args=(2, _free_port(), s3.config(), again, one), nprocs=2)
 
     stored = _chunks(two, s3)
     assert stored["wide"] == [((0, 0), (6, 5)), ((0, 5), (6, 5))]

@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import set_state_dict
@@ -37,7 +36,7 @@ from s3ckpt.format import layout
 from s3ckpt.format.layout import step_name
 from s3ckpt.tools.catalog import delete, gc
 from tests import manager_workers
-from tests.helpers import listing, raised
+from tests.helpers import listing, raised, spawn
 
 pytestmark = pytest.mark.stores("memory")  # not a wire test: see test_store_contract
 
@@ -455,7 +454,7 @@ def test_resume_on_two_ranks_from_one_and_back(s3: Any, bucket: str) -> None:
             mgr.save(step, sd)
 
     args = (2, free_port(), s3.config(), url)
-    mp.spawn(manager_workers.resume_on_ranks, args=args, nprocs=2)
+    spawn(manager_workers.resume_on_ranks, args=args, nprocs=2)
 
     model, optimizer = manager_workers.model_and_optimizer()
     loaded = manager_workers.training_state(model, optimizer, 0, torch.zeros(64, 6))

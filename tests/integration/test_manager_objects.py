@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
 from s3ckpt import CheckpointManager, CheckpointNotFound, ConfigError, StateDictMismatch
 from tests import manager_workers
+from tests.helpers import spawn
 
 pytestmark = pytest.mark.stores("memory")  # not a wire test: see test_store_contract
 
@@ -191,7 +191,7 @@ def test_fsdp2_objects_saved_on_two_ranks_restore_on_one_with_their_moments(
 ) -> None:
     url = f"s3://{bucket}/{RUN}"
     args = (2, free_port(), s3.config(), url)
-    mp.spawn(manager_workers.save_fsdp2_objects, args=args, nprocs=2)
+    spawn(manager_workers.save_fsdp2_objects, args=args, nprocs=2)
 
     model, optimizer = manager_workers.model_and_optimizer()
     with manager(s3, bucket) as mgr:

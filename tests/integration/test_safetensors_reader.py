@@ -14,7 +14,6 @@ import pytest
 import safetensors.torch
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from s3ckpt import (
@@ -28,6 +27,7 @@ from s3ckpt.config import MiB
 from s3ckpt.testing.faultproxy import FaultProxy
 from tests import safetensors_workers
 from tests.conftest import S3Env
+from tests.helpers import spawn
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -163,7 +163,7 @@ def test_each_fsdp2_rank_fetches_only_its_half(s3: S3Env, bucket: str) -> None:
     with FaultProxy(s3.endpoint_url) as first, FaultProxy(s3.endpoint_url) as second:
         configs = [s3.config(endpoint_url=p.endpoint_url) for p in (first, second)]
         args = (2, _free_port(), configs, f"s3://{bucket}/hf")
-        mp.spawn(safetensors_workers.load_fsdp, args=args, nprocs=2)
+        spawn(safetensors_workers.load_fsdp, args=args, nprocs=2)
         served = [first.served["GetObject"], second.served["GetObject"]]
     header = 64 * 1024  # each rank's first read of the file (the header, and data after it)
     for rank, got in enumerate(served):

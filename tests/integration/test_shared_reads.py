@@ -10,13 +10,12 @@ from typing import Any
 
 import pytest
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 
 from s3ckpt import S3Writer
 from s3ckpt.format.record import TensorEntry, decode
 from s3ckpt.testing.faultproxy import Delay, FaultProxy
 from tests import share_workers
-from tests.helpers import listing
+from tests.helpers import listing, spawn
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +56,7 @@ def loaded(s3: Any, url: str, layout: str, share: bool) -> tuple[int, int]:
         records = proxy.add_rule(Delay(0.0), op="GetObject", key=".metadata")
         config = s3.config(endpoint_url=proxy.endpoint_url)
         args = (WORLD, free_port(), config, url, layout, share)
-        mp.spawn(share_workers.load, args=args, nprocs=WORLD)
+        spawn(share_workers.load, args=args, nprocs=WORLD)
         return proxy.served["GetObject"], records.fired
 
 
@@ -106,4 +105,4 @@ def test_an_incremental_checkpoint_is_read_once_too(s3: Any, bucket: str) -> Non
 def test_a_rank_that_fails_to_plan_fails_every_rank_without_a_hang(s3: Any, bucket: str) -> None:
     url = save(s3, bucket, "ck")
     args = (WORLD, free_port(), s3.config(), url)
-    mp.spawn(share_workers.fail_one, args=args, nprocs=WORLD)
+    spawn(share_workers.fail_one, args=args, nprocs=WORLD)
