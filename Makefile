@@ -7,6 +7,9 @@ TORCH_VERSION ?= 2.13.0
 # Extra pip arguments for torch alone, e.g. --index-url https://download.pytorch.org/whl/cpu
 TORCH_PIP_ARGS ?=
 PYTEST_ARGS ?=
+# pytest-xdist workers: most tests wait rather than compute, so more workers than cores pay.
+# `make test PYTEST_WORKERS=0` runs in one process (pdb, -x, ordered output).
+PYTEST_WORKERS ?= 4
 
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.s3ckpt-installed
@@ -23,11 +26,11 @@ $(STAMP): pyproject.toml
 	touch $@
 
 test: venv
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 # Everything but the multi-process tests (torchrun, PROCESS mode, killed children).
 test-fast: venv
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) -m "not slow" $(PYTEST_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check .
