@@ -13,7 +13,9 @@ buffers be reused, and the next save stages into fresh memory as DCP's default w
 
 CPU buffers (not pinned) share one anonymous mapping advised for transparent huge pages: the
 first save touches every page of them, and on 4 KiB pages those faults cost more than the copy
-(0.46 against 0.03 s for 201 MB on the benchmark's machine; 0.08 s on huge pages).
+(0.46 against 0.03 s for 201 MB on the benchmark's machine; 0.08 s on huge pages). Where the
+kernel must compact memory (or a VM's host back fresh memory) for the huge pages, the first touch
+costs more again (0.27-0.45 s here), so `prepare` does it before training: a manager's `restore`.
 """
 
 from __future__ import annotations
@@ -69,6 +71,23 @@ class StagingBuffers:
                     torch.cuda.synchronize()
                 self._unclaimed += 1
                 return staged
+
+    def prepare(self, state_dict: dict[str, Any]) -> None:
+        """Allocate the buffers for a state like ``state_dict`` and touch every page, so that
+        the first `stage` of such a state is its copy alone. Buffers already there stay."""
+        with self._lock:
+            if self._buffers is not None:
+                return
+            signature, on_accelerator = _describe(state_dict)
+            self._pinned = on_accelerator and torch.cuda.is_available()
+            self._buffers = _create_cpu_state_dict(state_dict, pin_memory=self._pinned)
+            if not self._pinned:
+                _into_arena(self._buffers)
+            self._signature = signature
+            leaves, _ = tree_flatten(self._buffers)
+            for leaf in leaves:
+                if isinstance(leaf, torch.Tensor):
+                    leaf.zero_()
 
     def save_started(self) -> None:
         """Called by a save's first call on this writer: waits while a save runs in another

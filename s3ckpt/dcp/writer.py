@@ -52,6 +52,7 @@ from typing import Any, cast
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -176,6 +177,15 @@ class S3Writer(AtLocation, StorageWriter):
         if self._stager_thread is None:
             self._stager_thread = ThreadPoolExecutor(1, thread_name_prefix="s3ckpt-stage")
         return self._stager_thread.submit(self._staging.stage, state_dict)
+
+    def prepare_staging(self, state_dict: dict[str, Any]) -> None:
+        """Allocate and touch the staging buffers for a state like ``state_dict`` now (its
+        ``Stateful`` values as DCP will ask them), so that the first ``async_save`` of such a
+        state stalls for its copy alone, not for the first touch of fresh memory (0.3-0.5 s
+        for 201 MB on a 2-core VM). Call it before training; `CheckpointManager.restore` does."""
+        self._staging.prepare(
+            {key: v.state_dict() if isinstance(v, Stateful) else v for key, v in state_dict.items()}
+        )
 
     def synchronize_staging(self) -> None:
         """Staging is complete when `stage` returns (or its future resolves)."""

@@ -195,6 +195,10 @@ class CheckpointManager:
         A run with no checkpoint logs a WARNING naming the URL and the runs beside it (a typo
         is the usual cause); ``required=True`` raises `CheckpointNotFound` instead.
 
+        Before it returns, restore allocates and touches the staging buffers of background
+        saves for this state (the memory the first save would take, taken now), so that the
+        first save's stall is its copy alone: call it before training, as the loop does.
+
         A damaged checkpoint (checksum mismatch, missing or short object, unreadable record,
         replaced or deleted while loading) is logged with why, and the next older step is tried;
         with ``step`` given, its error is raised instead. If none loads, CheckpointError names
@@ -219,6 +223,8 @@ class CheckpointManager:
                 self._damaged.discard(restored.step)
         if restored.step is None:
             restoring.nothing(self._run, required)
+        if not self.saving.sync:
+            self._writer.prepare_staging(stateful(state_dict))
         return restored.step
 
     # ------------------------------------------------------------------------- saving

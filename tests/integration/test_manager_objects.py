@@ -202,3 +202,20 @@ def test_fsdp2_objects_saved_on_two_ranks_restore_on_one_with_their_moments(
     manager_workers.assert_model_is(model, expected)
     for got, want in zip(moments(optimizer), moments(expected_optimizer), strict=True):
         torch.testing.assert_close(got, want)
+
+
+def test_restore_stages_the_first_save_s_buffers_before_training(s3: Any, bucket: str) -> None:
+    """Nothing to restore or not, the first background save stages into buffers that restore
+    allocated and touched (the memory a first save takes, taken before training)."""
+    model, optimizer = fresh()
+    state = {"model": model, "optim": optimizer}
+    with manager(s3, bucket, every=1) as mgr:
+        assert mgr.restore(state) is None
+        staging = mgr._writer._staging
+        weight = staging._buffers["model"]["0.weight"]  # type: ignore[index]
+        assert staging.nbytes >= 3 * weight.numel() * weight.element_size(), "moments too"
+        model(torch.randn(4, 8)).sum().backward()
+        optimizer.step()
+        assert mgr.save(1, state)
+        mgr.wait()
+        assert staging._buffers["model"]["0.weight"].data_ptr() == weight.data_ptr()  # type: ignore[index]

@@ -56,6 +56,22 @@ def test_buffers_are_reused_across_saves_and_remade_when_shapes_change(
     assert writer._staging.nbytes == 0
 
 
+def test_prepared_buffers_are_the_ones_the_first_save_stages_into(s3: Any, bucket: str) -> None:
+    """`prepare_staging` takes the first touch of the buffers out of the first save's stall."""
+    writer = S3Writer(bucket, config=s3.config())
+    model = torch.nn.Linear(64, 32)
+    writer.prepare_staging({"model": model.state_dict(), "step": 0})
+    prepared = writer._staging._buffers["model"]["weight"]  # type: ignore[index]
+    assert writer._staging.nbytes == (64 * 32 + 32) * 4
+    url = f"s3://{bucket}/step-1"
+    state = {"model": model.state_dict(), "step": 1}
+    dcp.async_save(state, checkpoint_id=url, storage_writer=writer).result(timeout=120)
+    staged = writer._staging._buffers["model"]["weight"]  # type: ignore[index]
+    assert staged.data_ptr() == prepared.data_ptr(), "the first save reused the prepared buffers"
+    assert torch.equal(load(s3, url, {"model.weight": model.weight})["model.weight"], model.weight)
+    writer.close()
+
+
 def test_back_to_back_async_saves_on_one_writer_both_commit_their_values(
     s3: Any, bucket: str
 ) -> None:
