@@ -58,11 +58,7 @@ class StagingBuffers:
                 signature, on_accelerator = _describe(state_dict)
                 reuse = self._buffers is not None and signature == self._signature
                 if not reuse or self._unclaimed:
-                    self._pinned = on_accelerator and torch.cuda.is_available()
-                    self._buffers = _create_cpu_state_dict(state_dict, pin_memory=self._pinned)
-                    if not self._pinned:
-                        _into_arena(self._buffers)
-                    self._signature = signature
+                    self._allocate(state_dict, signature, on_accelerator)
                 assert self._buffers is not None
                 staged = _copy_state_dict(
                     state_dict, self._buffers, non_blocking=self._pinned, type_check=False
@@ -78,16 +74,19 @@ class StagingBuffers:
         with self._lock:
             if self._buffers is not None:
                 return
-            signature, on_accelerator = _describe(state_dict)
-            self._pinned = on_accelerator and torch.cuda.is_available()
-            self._buffers = _create_cpu_state_dict(state_dict, pin_memory=self._pinned)
-            if not self._pinned:
-                _into_arena(self._buffers)
-            self._signature = signature
+            self._allocate(state_dict, *_describe(state_dict))
             leaves, _ = tree_flatten(self._buffers)
             for leaf in leaves:
                 if isinstance(leaf, torch.Tensor):
                     leaf.zero_()
+
+    def _allocate(self, state_dict: dict[str, Any], signature: Any, on_accelerator: bool) -> None:
+        """Fresh buffers shaped like ``state_dict`` (their pages untouched). Hold the lock."""
+        self._pinned = on_accelerator and torch.cuda.is_available()
+        self._buffers = _create_cpu_state_dict(state_dict, pin_memory=self._pinned)
+        if not self._pinned:
+            _into_arena(self._buffers)
+        self._signature = signature
 
     def save_started(self) -> None:
         """Called by a save's first call on this writer: waits while a save runs in another

@@ -181,8 +181,8 @@ class S3Writer(AtLocation, StorageWriter):
     def prepare_staging(self, state_dict: dict[str, Any]) -> None:
         """Allocate and touch the staging buffers for a state like ``state_dict`` now (its
         ``Stateful`` values as DCP will ask them), so that the first ``async_save`` of such a
-        state stalls for its copy alone, not for the first touch of fresh memory (0.3-0.5 s
-        for 201 MB on a 2-core VM). Call it before training; `CheckpointManager.restore` does."""
+        state stalls for its copy alone, not for the first touch of fresh memory (see
+        `dcp.staging`). Call it before training; `CheckpointManager.restore` does."""
         self._staging.prepare(
             {key: v.state_dict() if isinstance(v, Stateful) else v for key, v in state_dict.items()}
         )

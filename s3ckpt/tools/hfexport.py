@@ -88,8 +88,7 @@ def export_safetensors(
     the entries under ``model`` and drops that prefix from their names; ``dtype`` (a
     floating-point one: another is a ConfigError, raised before anything is read, as is a size
     that is not one) converts the floating-point tensors. ``dest`` must not hold safetensors
-    files already. ``progress(done,
-    total)`` counts the bytes read."""
+    files already. ``progress(done, total)`` counts the bytes read."""
     select = select.strip(".") if select else None
     wanted = None if dtype is None else _torch_dtype(dtype)  # refused before anything is read
     limit = parse_size(max_shard_size) if isinstance(max_shard_size, str) else max_shard_size
