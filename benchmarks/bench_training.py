@@ -12,6 +12,8 @@ bound everything). Modes run interleaved, repetitions of all modes in turn, medi
   (``S3CKPT_IO_NICE=0``; by default they run at nice +10, see `s3ckpt.engine.bridge`);
 - ``thread-first``: THREAD, a job's first checkpoints: the writer made before training, no
   save before the timed loop, so the one-time costs (client, buffers, probes) land in it;
+- ``thread-prepared``: ``thread-first`` with ``S3Writer.prepare_staging`` called before training
+  (what `CheckpointManager.restore` does): the buffers' first touch moves out of the first save;
 - ``thread-io``: THREAD with the storage layer's threads pinned to the server's core
   (``S3CKPT_IO_CPUS``): what a spare core would take off the trainer's (here it is the
   server's, so this measures the trainer's side only);
@@ -21,9 +23,10 @@ bound everything). Modes run interleaved, repetitions of all modes in turn, medi
   ``FsspecWriter`` over s3fs) with ``dcp.async_save`` THREAD, where installed (the peers' venv,
   `benchmarks/requirements-peers.txt`).
 
-Every checkpoint mode but ``thread-first`` saves once before the timed loop (warm buffers and
-client, as in a long job), then checkpoints after steps N, 2N, ... and trains N more steps after
-the last one before waiting for it to be durable, so the last upload overlaps like the others.
+Every checkpoint mode but ``thread-first`` and ``thread-prepared`` saves once before the timed
+loop (warm buffers and client, as in a long job), then checkpoints after steps N, 2N, ... and
+trains N more steps after the last one before waiting for it to be durable, so the last upload
+overlaps like the others.
 The loop's wall time includes that wait. Blocking is the time spent inside the save call plus
 waiting for the previous save. CPU is the trainer process's and its children's (PROCESS mode's
 checkpoint process), all threads; the second table splits the trainer process's CPU by thread
@@ -62,7 +65,8 @@ from .common import (
 )
 
 MODES = (
-    "none", "sync", "thread", "thread-first", "thread-io", "thread-nice0", "process", "raw",
+    "none", "sync", "thread", "thread-first", "thread-prepared", "thread-io", "thread-nice0",
+    "process", "raw",
     "s3torchconnector", "fsspec",
 )  # fmt: skip
 _PEER_PACKAGES = {"s3torchconnector": "s3torchconnector", "fsspec": "s3fs"}

@@ -251,7 +251,8 @@ def _timed(
     for _ in range(3):  # optimizer state exists, caches are warm
         step()
     run_url = f"s3://{args.bucket}/{mode}-{os.getpid()}-{interval}"
-    s3ckpt_async = ("thread", "thread-nice0", "thread-first", "thread-io", "process")
+    first = ("thread-first", "thread-prepared")  # a job's first checkpoints: no warm-up save
+    s3ckpt_async = ("thread", "thread-nice0", *first, "thread-io", "process")
     writer: Any = S3Writer(run_url, config=config) if mode in s3ckpt_async else None
     if mode in PEER_MODES:
         writer = _peer_writer(mode, config, args.bucket)
@@ -295,7 +296,10 @@ def _timed(
             raw.wait()
         blocking += time.perf_counter() - began
 
-    if mode not in ("none", "thread-first"):  # thread-first: a job's first checkpoints
+    if mode == "thread-prepared":
+        model_state, optim_state = get_state_dict(model, optimizer)
+        writer.prepare_staging({"model": model_state, "optim": optim_state})
+    elif mode not in ("none", *first):
         checkpoint("warm-up")
         durable()
     blocking = 0.0
