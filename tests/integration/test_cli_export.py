@@ -16,6 +16,7 @@ from s3ckpt.config import MiB
 from s3ckpt.tools import catalog
 from tests.conftest import Cli, S3Env
 from tests.helpers import listing, uploads_in_progress
+from tests.recordshapes import edit_entries
 
 pytestmark = pytest.mark.stores("memory")  # not a wire test: see test_store_contract
 
@@ -159,7 +160,9 @@ def test_export_refuses_entries_that_cannot_both_be_restored(
         {"extra": 1, "extra.lr": 0.5}, storage_writer=S3Writer(bucket, "ck", config=s3.config())
     )
     record = json.loads(s3.client.get_object(Bucket=bucket, Key="ck/.metadata")["Body"].read())
-    record["planner_data"]["extra.lr"] = {"__tuple__": ["extra", "lr"]}
+    edit_entries(
+        record, lambda entries: None, paths={"extra": ("extra",), "extra.lr": ("extra", "lr")}
+    )
     s3.client.put_object(Bucket=bucket, Key="ck/.metadata", Body=json.dumps(record).encode())
     out = tmp_path / "out.pt"
     code, _, stderr = cli("export", f"s3://{bucket}/ck", str(out))

@@ -29,12 +29,13 @@ from s3ckpt.crc32c import checksum
 from s3ckpt.engine.store import get_store
 from s3ckpt.errors import MetadataError, StorageError
 from s3ckpt.format.frames import RAW, ZSTD
+from s3ckpt.format.record import entrytable
 from s3ckpt.format.record import table as item_table
 from s3ckpt.format.record.decoder import MEMORY_BOUND
 from s3ckpt.tools import catalog
 from s3ckpt.tools.verify import verify
 from tests.helpers import peak_growth, raised
-from tests.recordshapes import Columns, edit_table, inline
+from tests.recordshapes import Columns, Entries, edit_entries, edit_table, inline
 
 pytestmark = pytest.mark.stores("memory")  # not a wire test: see test_store_contract
 
@@ -57,7 +58,7 @@ def save(s3: Any, bucket: str) -> dict[str, Any]:
 
 
 def record(s3: Any, bucket: str, *, shape: str = "inline") -> dict[str, Any]:
-    """The saved record, as written (``"table"``, version 3) or in the inline shape of versions
+    """The saved record, as written (``"table"``, version 4) or in the inline shape of versions
     1 and 2 (`recordshapes.inline`), which most tests here edit: old records are checked too."""
     body = s3.client.get_object(Bucket=bucket, Key="ck/.metadata")["Body"].read()
     loaded: dict[str, Any] = json.loads(body if shape == "table" else inline(body))
@@ -131,9 +132,9 @@ def _set(column: str, row: int, value: int) -> Callable[[Columns], None]:
 
 
 def test_the_item_table_is_checked_as_inline_locators_were(s3: Any, bucket: str) -> None:
-    """Version 3: a locator of other than its chunk's bytes, one past its object's end, one in
-    an object the record does not list, and chunks that leave a gap are refused, naming the
-    item; a record from before (inline) is refused alike (the tests above)."""
+    """Versions 3 and 4: a locator of other than its chunk's bytes, one past its object's end,
+    one in an object the record does not list, and chunks that leave a gap are refused, naming
+    the item; a record from before (inline) is refused alike (the tests above)."""
     save(s3, bucket)
     original = s3.client.get_object(Bucket=bucket, Key="ck/.metadata")["Body"].read()
     w, objects = _ROWS["w"], record(s3, bucket, shape="table")["objects"]
@@ -162,7 +163,7 @@ def test_the_item_table_is_checked_as_inline_locators_were(s3: Any, bucket: str)
     tamper_table(in_table(gap))
     cause = "state_dict['w']: its chunks hold 48 elements, the tensor 64: they leave a gap"
     assert cause in str(refused(s3, bucket))
-    tamper_table(lambda r: r["state_dict"]["d"].update(dtype="float32"))
+    tamper_table(lambda r: edit_entries(r, lambda entries: entries["d"].update(dtype="float32")))
     assert "state_dict['d'].chunks[0].locator: 80 bytes" in str(refused(s3, bucket))
 
 
@@ -484,14 +485,20 @@ def test_a_valid_record_of_the_densest_kind_costs_under_its_bound(s3: Any, bucke
 
 @pytest.mark.stores("seaweedfs")  # measured in a child process: a real server
 def test_a_dense_item_table_costs_under_its_bound(s3: Any, bucket: str) -> None:
-    """Version 3: 300,000 one-element chunks, in shuffled order (so the general checks run,
+    """Versions 3 and 4: 300,000 one-element chunks, in shuffled order (so the general checks run,
     a tuple per chunk, not the whole-array proof of an ordered sharding) and at scattered
     offsets: ``info`` reads the record within `MEMORY_BOUND` times its size plus its table's
     inflated size."""
     save(s3, bucket)
     edited = record(s3, bucket, shape="table")
     count, key = 300_000, the_object(edited)
-    edited["state_dict"] = {"t": {**edited["state_dict"]["w"], "size": [count], "chunks": count}}
+
+    def one_tensor(entries: Entries) -> None:
+        w = entries.pop("w")
+        entries.clear()
+        entries["t"] = {**w, "size": [count], "chunks": count}
+
+    edit_entries(edited, one_tensor)
     edited["objects"] = {key: edited["objects"][key]}
     order = list(range(count))
     random.Random(3).shuffle(order)
@@ -501,6 +508,39 @@ def test_a_dense_item_table_costs_under_its_bound(s3: Any, bucket: str) -> None:
     body = json.dumps(edited, separators=(",", ":")).encode()
     inflated = item_table.inflated_size(count, count, False)
     growth = _decoded_in_a_child(s3, bucket, body, "info", exits=0)
+    assert growth < MEMORY_BOUND * (len(body) + inflated), (growth, len(body), inflated)
+
+
+@pytest.mark.stores("seaweedfs")  # measured in a child process: a real server
+def test_a_dense_entry_table_costs_under_its_bound(s3: Any, bucket: str) -> None:
+    """Version 4: 300,000 scalars with the shortest names a path of a key and a list index can
+    make (``"0.0"``, ``"0.1"``, ...): ``ls`` reads the record within `MEMORY_BOUND` times its
+    size plus its tables' inflated size (``info`` lists every entry: its output grows too)."""
+    save(s3, bucket)
+    edited = record(s3, bucket, shape="table")
+    count, key = 300_000, the_object(edited)
+    names = sorted(f"{i // 10:x}.{i % 10}" for i in range(count))
+    paths: dict[str, tuple[str | int, ...]] = {}
+    for name in names:
+        head, _, index = name.partition(".")
+        paths[name] = (head, int(index))
+
+    def scalars(entries: Entries) -> None:
+        w = entries.pop("w")
+        entries.clear()
+        entries.update({name: {**w, "size": [], "chunks": 1} for name in names})
+
+    edit_entries(edited, scalars, paths=paths)
+    edited["objects"] = {key: edited["objects"][key]}
+    edited["items"] = item_table.pack(
+        [0] * count, [4 * (i % 64) for i in range(count)], [4] * count, [], [], [None] * count
+    )
+    body = json.dumps(edited, separators=(",", ":")).encode()
+    table = edited["entries"]
+    inflated = item_table.inflated_size(count, 0, False) + entrytable.inflated_size(
+        count, table["dims"], table["parts"], table["text"]
+    )
+    growth = _decoded_in_a_child(s3, bucket, body, "ls", exits=0)
     assert growth < MEMORY_BOUND * (len(body) + inflated), (growth, len(body), inflated)
 
 
@@ -514,7 +554,7 @@ def test_an_item_table_cannot_inflate_past_what_its_counts_make(
     save(s3, bucket)
     edited = record(s3, bucket, shape="table")
     if bomb == "counts":
-        edited["state_dict"]["w"].update(size=[10**9, 4], chunks=10**9)
+        edit_entries(edited, lambda entries: entries["w"].update(size=[10**9, 4], chunks=10**9))
         edited["items"].update(rows=10**9 + 2, dims=1 + 2 * 10**9)  # as the entries say
         cause = "over the 268435456 bytes a reader accepts (S3Config.max_record_size)"
     else:

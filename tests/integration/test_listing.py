@@ -117,7 +117,7 @@ def test_info_shows_how_the_checkpoint_was_saved(
     shown = json.loads(out)["checkpoint"]
     raw = s3.client.get_object(Bucket=bucket, Key="ck/step-9/.metadata")["Body"].read()
     record = json.loads(raw)
-    assert json.loads(out)["record"] == {"bytes": len(raw), "version": 3}
+    assert json.loads(out)["record"] == {"bytes": len(raw), "version": 4}
     data = {k: v for k, v in listing(s3.client, bucket, "ck/step-9/").items() if "/data-" in k}
     assert shown["state"] == "committed" and shown["save_id"] == record["save_id"]
     assert shown["world_size"] == 1 and shown["tensors"] == 2
@@ -136,7 +136,7 @@ def test_info_shows_how_the_checkpoint_was_saved(
     assert lines["frame size"].strip() == "64.0 KiB"
     assert lines["world size"].strip() == "1 (ranks)" and lines["tensors"].strip() == "2"
     assert lines["torch"].strip() == torch.__version__
-    assert lines["record"].strip() == f"{len(raw):,} bytes (.metadata, format version 3)"
+    assert lines["record"].strip() == f"{len(raw):,} bytes (.metadata, format version 4)"
     if compression:
         assert shown["stored_bytes"] < shown["logical_bytes"] / 4  # zeros and a ramp
         assert "% of logical)" in lines["stored"]

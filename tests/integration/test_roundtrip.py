@@ -159,7 +159,7 @@ def test_checkpoint_id_url_and_reset(s3: Any, bucket: str) -> None:
     assert torch.equal(loaded["x"], state["x"])
     body = s3.client.get_object(Bucket=bucket, Key="run7/step-2000/.metadata")["Body"].read()
     record = json.loads(body)
-    assert record["format"] == "s3ckpt" and record["version"] == 3
+    assert record["format"] == "s3ckpt" and record["version"] == 4
 
 
 def test_save_and_load_from_inside_a_running_event_loop(s3: Any, bucket: str) -> None:

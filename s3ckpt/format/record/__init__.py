@@ -16,34 +16,39 @@ are imported only when it is first used (PEP 562).
 
 Layout (the file is compact UTF-8 with sorted keys; spaced out here for reading)::
 
-    {"format": "s3ckpt", "version": 3, "save_id": "...", "created": 1700000000.5,
+    {"format": "s3ckpt", "version": 4, "save_id": "...", "created": 1700000000.5,
      "dcp_version": "1.0.0", "objects": {"data/0.bin": 4096}, "extra": {...},
      "storage_meta": {"checkpoint_id": ..., "save_id": ..., "load_id": ..., "modules": []},
-     "planner_data": {"model.w": {"__tuple__": ["model", "w"]}, ...},
-     "state_dict": {
-        "model.w": {"type": "tensor", "dtype": "bfloat16", "size": [4, 3], "layout": "strided",
-                    "memory_format": "contiguous_format", "requires_grad": false,
-                    "pin_memory": false, "chunks": 1},
-        "step": {"type": "bytes"}},
+     "entries": {"count": 2, "dims": 2, "parts": 3, "text": 11, "dtypes": ["bfloat16"],
+                 "layouts": ["strided"], "memory_formats": ["contiguous_format"],
+                 "deflated": "eJxjYGBgYGBgYGBgYAA..."},
      "items": {"rows": 2, "dims": 2, "digests": false, "deflated": "eJxjYGBgYGBgYGBgYAA..."}}
 
-``items`` (`table`) holds, for every item in the order of the state dict's names, where its
-bytes are (object, offset, length) and, for a tensor's chunks, their offsets, sizes and
-digests: integer columns, deflated, so that a chunk costs a few bytes instead of a JSON object
-of some 126. ``planner_data`` is plain JSON except that a Python tuple is written as
-``{"__tuple__": [...]}``, so the default planners' ``{fqn: ("a", 0, "b")}`` paths come back as
-tuples, exactly.
+``entries`` (`entrytable`) holds the state dict's entries in the order of their names: each
+name, whether it is a tensor or another value, a tensor's dtype, size, layout, memory format,
+``requires_grad`` and ``pin_memory`` and number of chunks, and the entry's path in the nested
+state dict that DCP's default planners keep in ``planner_data`` (``"model.w"``: ``("model",
+"w")``), stored as the lengths of the name's parts. ``items`` (`table`) holds, for every item in
+the same order, where its bytes are (object, offset, length) and, for a tensor's chunks, their
+offsets, sizes and digests. Both are integer columns, deflated, so that an entry or a chunk
+costs a few bytes instead of a JSON object of some 150 and 126, and decoding is C loops over
+arrays. ``planner_data`` that is not DCP's default paths is kept as JSON, in a field of that
+name, as version 3 kept all of it: plain JSON except that a Python tuple is written as
+``{"__tuple__": [...]}``, so that tuples come back as tuples, exactly.
 
 Incremental saves need two things. A chunk may carry the xxh3-128 digest of its bytes, which
 the next save compares. And a key in ``objects``, ``frames`` and the locators may reference a
 sibling checkpoint's data object, ``../<sibling>/data-<save_id>/<name>`` (`layout.reference`),
 listed with its size and frame table like the record's own objects, so that the record loads
-alone. Earlier versions are read as they were written: version 1 kept each chunk inline
-(``"chunks": [{"offsets": [0, 0], "sizes": [4, 3], "locator": {"key": "data/0.bin",
-"offset": 0, "length": 24}}]``, a bytes entry its ``"locator"``), version 2 added digests
-(``"xxh3"``: 32 hex digits) and references to that shape. s3ckpt before version 3 refuses a
-version-3 record as "written by a newer s3ckpt" (and so never removes a checkpoint whose
-objects later ones may reference).
+alone. Earlier versions are read as they were written: version 3 kept each entry as a JSON
+object in ``"state_dict"`` (``"model.w": {"type": "tensor", "dtype": "bfloat16", "size": [4,
+3], "layout": "strided", "memory_format": "contiguous_format", "requires_grad": false,
+"pin_memory": false, "chunks": 1}``, ``"step": {"type": "bytes"}``) and all of
+``planner_data`` as JSON; version 1 kept each chunk inline too (``"chunks": [{"offsets": [0,
+0], "sizes": [4, 3], "locator": {"key": "data/0.bin", "offset": 0, "length": 24}}]``, a bytes
+entry its ``"locator"``), and version 2 added digests (``"xxh3"``: 32 hex digits) and
+references to that shape. An s3ckpt older than a record's version refuses it as "written by a
+newer s3ckpt" (and so never removes a checkpoint whose objects later ones may reference).
 
 ``extra`` is free-form; `S3Writer` records there what the tools show and the rest of the record
 does not say: ``world_size``, ``compression`` (``"zstd"`` or null), ``compression_level`` and

@@ -22,14 +22,17 @@ from ..jsoncheck import (
 )
 from ..jsonstream import Reader
 from ..layout import is_reference
+from . import entrytable
 from .entries import (
     SMALL_VALUE,
     Pending,
+    build_entries,
     check_inline_locators,
     read_state_dict,
     resolve_inline,
     resolve_table,
 )
+from .entrytable import Path
 from .model import (
     FORMAT,
     FORMAT_VERSION,
@@ -143,7 +146,12 @@ def _decode_record(data: bytes, url: str, max_size: int) -> Checkpoint:
         if version < 2 and is_reference(key):
             fail(f"objects: {key!r} references another checkpoint, which version 1 cannot")
         as_count(size, f"objects[{key!r}]")
-    state_dict: dict[str, Entry | Pending] = get_field(record, "state_dict", "")
+    if version < 4:
+        if "entries" in record:
+            fail(f"entries: an entry table in a record of version {version}")
+        state_dict: dict[str, Entry | Pending] = get_field(record, "state_dict", "")
+    elif "state_dict" in record:
+        fail("state_dict: a version 4 record keeps its entries in its entry table")
     if version < 3:
         if "items" in record:
             fail("items: an item table in a record of version 1 or 2")
@@ -168,7 +176,7 @@ def _decode_record(data: bytes, url: str, max_size: int) -> Checkpoint:
 
     extra = as_dict(get_field(record, "extra", ""), "extra")
     storage_meta = _decode_storage_meta(get_field(record, "storage_meta", ""))
-    planner_data = get_field(record, "planner_data", "")
+    planner: str | dict[str, Path] | None = record.get("planner_data")
 
     if version < 3:
         check_inline_locators(entries, frames)
@@ -176,7 +184,17 @@ def _decode_record(data: bytes, url: str, max_size: int) -> Checkpoint:
         names = sorted(objects)
         raw_sizes = [frames[key].raw_size for key in names]
         items = get_field(record, "items", "")
-        entries = resolve_table(state_dict, items, names, raw_sizes, max_size)
+        if version < 4:
+            entries = resolve_table(state_dict, items, names, raw_sizes, max_size)
+        else:
+            table = entrytable.unpack(get_field(record, "entries", ""), max_size)
+            entries = build_entries(table.specs, items, names, raw_sizes, max_size)
+            if planner is None:  # DCP's paths, kept in the entry table
+                planner = table.paths
+            elif table.paths:
+                fail("entries: paths beside planner_data (a record keeps one or the other)")
+    if planner is None:
+        planner = get_field(record, "planner_data", "")  # fails: missing
 
     return Checkpoint(
         save_id=save_id,
@@ -185,7 +203,7 @@ def _decode_record(data: bytes, url: str, max_size: int) -> Checkpoint:
         extra=extra,
         frames=frames,
         entries=entries,
-        planner_source=planner_data,
+        planner_source=planner,
         storage_meta=storage_meta,
         dcp_version=dcp_version,
         url=url,
@@ -207,7 +225,7 @@ def _read_members(reader: Reader, record: dict[str, Any]) -> dict[str, str]:
             record[name] = _read_objects(reader)
         elif name == "frames":
             record[name] = _read_frames(reader)
-        elif name == "items":
+        elif name in ("items", "entries"):
             record[name] = (
                 reader.value(name, SMALL_VALUE)
                 if reader.peek() != "{"

@@ -1,6 +1,8 @@
 """The state dict's entries of a record: read one at a time (`read_state_dict`), and resolved
 with their items, inline as versions 1 and 2 keep them (`resolve_inline`) or from the item
-table of version 3 (`resolve_table`); every chunk checked as `decoder.decode` promises."""
+table of version 3 (`resolve_table`); version 4 keeps them in its entry table (`entrytable`), and
+`build_entries` joins them with the item table, as for version 3. Every chunk is checked as
+`decoder.decode` promises."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from ..jsoncheck import (
 )
 from ..jsonstream import Reader
 from . import table
+from .entrytable import Fields, Spec
 from .model import (
     DTYPE_SIZES,
     LAYOUTS,
@@ -83,11 +86,6 @@ def read_state_dict(reader: Reader, keys: dict[str, str]) -> dict[str, Entry | P
     return entries
 
 
-# A tensor entry's fields but its chunks: dtype, size, layout, memory format, requires_grad
-# and pin_memory.
-_Fields = tuple[str, list[int], str, str, bool, bool]
-
-
 @dataclass(frozen=True, slots=True)
 class Pending:
     """An entry of the version-3 shape: its fields and (a tensor's) count of chunks."""
@@ -118,8 +116,7 @@ def resolve_table(
     max_size: int,
 ) -> dict[str, Entry]:
     """The entries of a version-3 record from their fields and its item table, checked."""
-    specs: list[tuple[str, _Fields | None, int]] = []
-    rows = dims = 0
+    specs: list[Spec] = []
     for fqn, entry in state_dict.items():
         if not isinstance(entry, Pending):
             fail(
@@ -129,17 +126,28 @@ def resolve_table(
         kind = get_field(entry.fields, "type", entry.where)
         if kind == "bytes":
             specs.append((fqn, None, 1))
-            rows += 1
         elif kind == "tensor":
             if entry.chunks is None:
                 get_field(entry.fields, "chunks", entry.where)  # fails: missing
             count = as_count(entry.chunks, entry.where, "chunks")
-            fields = _tensor_fields(entry.fields, entry.where)
-            specs.append((fqn, fields, count))
-            rows += count
-            dims += count * len(fields[1])
+            specs.append((fqn, _tensor_fields(entry.fields, entry.where), count))
         else:
             fail(f"{entry.where}.type: expected 'tensor' or 'bytes', got {show(kind)}")
+    return build_entries(specs, items, names, raw_sizes, max_size)
+
+
+def build_entries(
+    specs: list[Spec], items: Any, names: list[str], raw_sizes: list[int], max_size: int
+) -> dict[str, Entry]:
+    """The entries of a record of version 3 or later from its entries (``specs``, in the order
+    of their names) and its item table, checked: the table holds exactly their rows, each in
+    one of the objects (``names``, sorted, of ``raw_sizes`` raw bytes), and a tensor's chunks
+    tile it."""
+    rows = dims = 0
+    for _, fields, count in specs:
+        rows += count
+        if fields is not None:
+            dims += count * len(fields[1])
     columns = table.unpack(items, rows, dims, max_size)
     table.check_locators(columns, names, raw_sizes, lambda row: _row_name(specs, row))
     entries: dict[str, Entry] = {}
@@ -150,8 +158,10 @@ def resolve_table(
             entries[fqn] = BytesEntry(Locator(key, columns.offsets[row], columns.lengths[row]))
         else:
             dtype, size, layout, memory_format, requires_grad, pin_memory = tensor
-            where = f"state_dict[{fqn!r}]"
-            table.check_tensor(columns, row, col, count, size, DTYPE_SIZES[dtype], dtype, where)
+            itemsize = DTYPE_SIZES[dtype]
+            if count != 1 or not table.is_whole(columns, row, col, size, itemsize):
+                where = f"state_dict[{fqn!r}]"
+                table.check_tensor(columns, row, col, count, size, itemsize, dtype, where)
             chunks = table.ChunkList(columns, names, row, col, count, len(size))
             entries[fqn] = TensorEntry(
                 dtype, size, layout, memory_format, requires_grad, pin_memory, chunks
@@ -161,7 +171,7 @@ def resolve_table(
     return entries
 
 
-def _row_name(specs: list[tuple[str, _Fields | None, int]], row: int) -> str:
+def _row_name(specs: list[Spec], row: int) -> str:
     """The item of a row of the table, for a message."""
     for fqn, fields, count in specs:
         if row < count:
@@ -224,9 +234,7 @@ def _decode_tensor(entry: dict[str, Any], chunks: list[Chunk], where: str) -> Te
     return TensorEntry(dtype, size, layout, memory_format, requires_grad, pin_memory, chunks)
 
 
-def _tensor_fields(
-    entry: dict[str, Any], where: str
-) -> tuple[str, list[int], str, str, bool, bool]:
+def _tensor_fields(entry: dict[str, Any], where: str) -> Fields:
     """A tensor entry's fields but its chunks: dtype, size, layout, memory format,
     requires_grad and pin_memory."""
     dtype: str = lookup(_DTYPE_NAMES, get_field(entry, "dtype", where), where, "dtype")

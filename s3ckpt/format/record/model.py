@@ -27,8 +27,9 @@ if TYPE_CHECKING:
 
 FORMAT = "s3ckpt"
 # Version 2 added references to siblings' objects and chunk digests (incremental saves); version 3
-# moved every locator, chunk and digest into one compressed table (`table`). All are read.
-FORMAT_VERSION = 3
+# moved every locator, chunk and digest into one compressed table (`table`), version 4 every
+# entry and DCP's paths into another (`entrytable`). All are read.
+FORMAT_VERSION = 4
 
 TUPLE_TAG = "__tuple__"
 
@@ -149,7 +150,8 @@ class Checkpoint:
     extra: dict[str, Any]
     frames: dict[str, FrameTable]
     entries: dict[str, Entry]
-    planner_source: str  # planner_data's JSON text, read when it is first asked for
+    # planner_data's JSON text, read when it is first asked for, or (version 4) DCP's paths
+    planner_source: str | dict[str, tuple[str | int, ...]]
     storage_meta: StorageInfo | None
     dcp_version: str | None
     url: str  # of the record, for errors raised when DCP's types are built
@@ -159,6 +161,8 @@ class Checkpoint:
     @cached_property
     def planner_data(self) -> Any:
         """DCP's ``planner_data`` (tuples tagged in the JSON are tuples again)."""
+        if isinstance(self.planner_source, dict):
+            return self.planner_source
         from .decoder import decode_planner_data
 
         return decode_planner_data(self.planner_source)

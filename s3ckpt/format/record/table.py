@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import math
 import sys
 import zlib
 from array import array
@@ -75,17 +76,16 @@ def pack(
     digests: list[str | None],
 ) -> dict[str, Any]:
     """The ``"items"`` of a record from its columns (values checked by the caller)."""
-    parts = [_column(values) for values in (keys, offsets, lengths, chunk_offsets, chunk_sizes)]
+    parts = [to_int64s(c) for c in (keys, offsets, lengths, chunk_offsets, chunk_sizes)]
     has_digests = any(digest is not None for digest in digests)
     if has_digests:
         parts.append(bytes(digest is not None for digest in digests))
         parts.append(b"".join(_ZEROS if d is None else bytes.fromhex(d) for d in digests))
-    deflated = zlib.compress(b"".join(parts), _LEVEL)
     return {
         "rows": len(keys),
         "dims": len(chunk_offsets),
         "digests": has_digests,
-        "deflated": base64.b64encode(deflated).decode("ascii"),
+        "deflated": deflate(parts),
     }
 
 
@@ -107,22 +107,11 @@ def unpack(value: Any, rows: int, dims: int, limit: int) -> ItemTable:
             f"items: the table inflates to {size} bytes, over the {limit} bytes a reader accepts "
             "(S3Config.max_record_size)"
         )
-    try:
-        deflated = base64.b64decode(as_str(table["deflated"], "items", "deflated"), validate=True)
-    except binascii.Error as e:
-        fail(f"items.deflated: not base64: {e}")
-    inflater = zlib.decompressobj()
-    try:
-        raw = memoryview(inflater.decompress(deflated, size + 1))
-    except zlib.error as e:
-        fail(f"items.deflated: does not inflate: {e}")
-    del deflated
-    if len(raw) != size or not inflater.eof or inflater.unused_data:
-        fail(f"items.deflated: inflates to other than the {size} bytes its counts make")
+    raw = inflate(table["deflated"], size, "items")
     cuts = list(accumulate((0, 8 * rows, 8 * rows, 8 * rows, 8 * dims, 8 * dims, rows)))
-    if bytes(raw[7 : cuts[5] : 8]).translate(None, _NON_NEGATIVE):  # a sign bit, a byte loop
+    if has_negative(raw[: cuts[5]]):
         fail("items: the table holds negative offsets, sizes, lengths or object numbers")
-    columns = [_values(raw[cuts[i] : cuts[i + 1]]) for i in range(5)]
+    columns = [from_int64s(raw[cuts[i] : cuts[i + 1]]) for i in range(5)]
     flags, digests = b"", b""
     if has_digests:
         flags, digests = bytes(raw[cuts[5] : cuts[6]]), bytes(raw[cuts[6] :])
@@ -132,22 +121,64 @@ def unpack(value: Any, rows: int, dims: int, limit: int) -> ItemTable:
     return ItemTable(keys, offsets, lengths, chunk_offsets, chunk_sizes, flags, digests)
 
 
+def inflate(value: Any, size: int, where: str) -> memoryview:
+    """A table's ``deflated`` base64, inflated to exactly the ``size`` bytes its counts make:
+    inflating stops there, so a stream that would inflate further allocates nothing more."""
+    try:
+        deflated = base64.b64decode(as_str(value, where, "deflated"), validate=True)
+    except binascii.Error as e:
+        fail(f"{where}.deflated: not base64: {e}")
+    inflater = zlib.decompressobj()
+    try:
+        raw = memoryview(inflater.decompress(deflated, size + 1))
+    except zlib.error as e:
+        fail(f"{where}.deflated: does not inflate: {e}")
+    del deflated
+    if len(raw) != size or not inflater.eof or inflater.unused_data:
+        fail(f"{where}.deflated: inflates to other than the {size} bytes its counts make")
+    return raw
+
+
+def deflate(parts: list[bytes]) -> str:
+    """The ``deflated`` base64 of a table's inflated ``parts``."""
+    return base64.b64encode(zlib.compress(b"".join(parts), _LEVEL)).decode("ascii")
+
+
 _NON_NEGATIVE = bytes(range(128))  # the top bytes of non-negative little-endian int64s
 
 
-def _column(values: list[int]) -> bytes:
-    column = array("q", values)
-    if sys.byteorder == "big":
-        column.byteswap()
-    return column.tobytes()
+def has_negative(data: memoryview) -> bool:
+    """Whether little-endian int64s hold a negative value: a sign bit, found by a byte loop."""
+    return bool(bytes(data[7::8]).translate(None, _NON_NEGATIVE))
 
 
-def _values(data: memoryview) -> array[int]:
-    column = array("q")
-    column.frombytes(data)
+def to_int64s(values: Sequence[int]) -> bytes:
+    """Little-endian int64s."""
+    packed = array("q", values)
     if sys.byteorder == "big":
-        column.byteswap()
-    return column
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def from_int64s(data: memoryview) -> array[int]:
+    """Little-endian int64s as an array."""
+    unpacked = array("q")
+    unpacked.frombytes(data)
+    if sys.byteorder == "big":
+        unpacked.byteswap()
+    return unpacked
+
+
+def is_whole(table: ItemTable, row: int, col: int, size: list[int], itemsize: int) -> bool:
+    """Whether the tensor's one chunk, at row ``row`` and chunk values ``col`` on, is the whole
+    tensor, as an unsharded tensor is stored: what every check of `check_tensor` accepts, in
+    three comparisons. False is no verdict."""
+    ndim = len(size)
+    return (
+        table.lengths[row] == math.prod(size) * itemsize
+        and table.chunk_sizes[col : col + ndim].tolist() == size
+        and not any(table.chunk_offsets[col : col + ndim])
+    )
 
 
 def check_tensor(
@@ -295,10 +326,10 @@ class ChunkList(Sequence[Chunk]):
         # One chunk read straight from the columns: a load looks up each chunk it reads here,
         # where slicing every column (`_fields`) cost more than the rest of the lookup.
         table, count, at, row = self._table, self._count, self._col + position, self._row + position
-        dims = range(at, at + self._ndim * count, count)
+        end = at + self._ndim * count  # the chunk's values, ``count`` apart: an extended slice
         return Chunk(
-            tuple(map(table.chunk_offsets.__getitem__, dims)),
-            tuple(map(table.chunk_sizes.__getitem__, dims)),
+            tuple(table.chunk_offsets[at:end:count]),
+            tuple(table.chunk_sizes[at:end:count]),
             Locator(self._names[table.keys[row]], table.offsets[row], table.lengths[row]),
             table.digest(row) if table.flags else None,
         )
@@ -322,6 +353,10 @@ class ChunkList(Sequence[Chunk]):
     def geometry(self) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
         """Each chunk's offsets and sizes, without a `Chunk` or `Locator` (what DCP's types
         need)."""
+        if self._count == 1:  # an unsharded tensor's: its values side by side in the columns
+            at, table = self._col, self._table
+            end = at + self._ndim
+            return iter(((tuple(table.chunk_offsets[at:end]), tuple(table.chunk_sizes[at:end])),))
         offsets, sizes, _, _ = self._fields(0, self._count)
         return zip(offsets, sizes, strict=False)
 

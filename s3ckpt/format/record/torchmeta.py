@@ -117,10 +117,10 @@ class Locators(Mapping[MetadataIndex, Any]):
 
 def _to_dcp(checkpoint: Checkpoint) -> tuple[Metadata, Locators]:
     state_dict: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
-    shared = _Chunks()
+    shared, properties = _Chunks(), _Properties(checkpoint.url)
     for fqn, entry in checkpoint.entries.items():
         if isinstance(entry, TensorEntry):
-            state_dict[fqn] = _tensor(fqn, entry, checkpoint.url, shared)
+            state_dict[fqn] = _tensor(fqn, entry, shared, properties)
         else:
             state_dict[fqn] = BytesStorageMetadata()
     meta = checkpoint.storage_meta
@@ -153,14 +153,40 @@ class _Chunks(dict[tuple[tuple[int, ...], tuple[int, ...]], ChunkStorageMetadata
         return chunk
 
 
-def _tensor(fqn: str, entry: TensorEntry, url: str, shared: _Chunks) -> TensorStorageMetadata:
-    properties = TensorProperties(
-        dtype=_lookup(DTYPES, entry.dtype, fqn, "dtype", url),
-        layout=_lookup(LAYOUT_TYPES, entry.layout, fqn, "layout", url),
-        requires_grad=entry.requires_grad,
-        memory_format=_lookup(MEMORY_FORMAT_TYPES, entry.memory_format, fqn, "memory_format", url),
-        pin_memory=entry.pin_memory,
-    )
+class _Properties(dict[tuple[str, str, bool, str, bool], TensorProperties]):
+    """DCP's tensor properties by the record's names, one object per distinct set, as
+    `_Chunks` shares chunks: a state holds a few kinds of tensor, and DCP only reads them."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__()
+        self.url = url
+
+    def of(self, fqn: str, entry: TensorEntry) -> TensorProperties:
+        key = (
+            entry.dtype,
+            entry.layout,
+            entry.requires_grad,
+            entry.memory_format,
+            entry.pin_memory,
+        )
+        found = self.get(key)
+        if found is None:
+            url = self.url
+            found = self[key] = TensorProperties(
+                dtype=_lookup(DTYPES, entry.dtype, fqn, "dtype", url),
+                layout=_lookup(LAYOUT_TYPES, entry.layout, fqn, "layout", url),
+                requires_grad=entry.requires_grad,
+                memory_format=_lookup(
+                    MEMORY_FORMAT_TYPES, entry.memory_format, fqn, "memory_format", url
+                ),
+                pin_memory=entry.pin_memory,
+            )
+        return found
+
+
+def _tensor(
+    fqn: str, entry: TensorEntry, shared: _Chunks, properties: _Properties
+) -> TensorStorageMetadata:
     stored, made = entry.chunks, shared.make
     rows = (
         stored.geometry()
@@ -168,7 +194,9 @@ def _tensor(fqn: str, entry: TensorEntry, url: str, shared: _Chunks) -> TensorSt
         else ((chunk.offsets, chunk.sizes) for chunk in stored)
     )
     chunks = [shared.get(row) or made(*row) for row in rows]
-    return TensorStorageMetadata(properties=properties, size=torch.Size(entry.size), chunks=chunks)
+    return TensorStorageMetadata(
+        properties=properties.of(fqn, entry), size=torch.Size(entry.size), chunks=chunks
+    )
 
 
 def _lookup(table: dict[str, _T], name: str, fqn: str, field: str, url: str) -> _T:

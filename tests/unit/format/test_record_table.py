@@ -1,5 +1,6 @@
-"""Version 3's item table: random records round-trip exactly (and load alike in the inline shape
-of versions 1 and 2), and tables that a hostile writer could make are refused.
+"""The item table (versions 3 and 4) and the entry table (version 4): random records round-trip
+exactly (and load alike in the shapes of versions 1 to 3), and tables that a hostile writer
+could make are refused.
 
 No hypothesis here: seeded generators draw the shapes, dtypes, chunkings (grids, shuffled or
 in order, with empty chunks), bytes items, digests and references to a sibling's objects, so a
@@ -11,6 +12,7 @@ from __future__ import annotations
 import base64
 import itertools
 import json
+import math
 import pickle
 import random
 import zlib
@@ -32,11 +34,22 @@ from torch.distributed.checkpoint.metadata import (
 from s3ckpt.errors import MetadataError
 from s3ckpt.format.frames import FrameTable
 from s3ckpt.format.jsoncheck import Invalid
-from s3ckpt.format.record import Chunk, Locator, TensorEntry, decode, encode
+from s3ckpt.format.record import Chunk, Locator, TensorEntry, decode, encode, entrytable
 from s3ckpt.format.record import table as table_module
-from s3ckpt.format.record.table import ChunkList, check_tensor, pack, unpack
+from s3ckpt.format.record.table import ChunkList, check_tensor, is_whole, pack, unpack
 from s3ckpt.format.record.torchmeta import DTYPES
-from tests.recordshapes import Columns, columns, edit_table, inline
+from tests.recordshapes import (
+    Columns,
+    Entries,
+    columns,
+    edit_entries,
+    edit_entry_columns,
+    edit_table,
+    entries,
+    entry_columns,
+    inline,
+    older,
+)
 
 URL = "s3://bucket/run/step-2/.metadata"
 SIBLING = "../step-1/data-0123456789abcdef01234567"
@@ -93,8 +106,12 @@ def draw(seed: int) -> Drawn:
         ends[key] += length
         return locator
 
+    paths: dict[str, tuple[str | int, ...]] = {}
     for n in range(rng.randint(1, 10)):
-        fqn = f"m.{rng.choice('abcxyz')}{n}"
+        path = _path(rng, n)
+        fqn = ".".join(map(str, path))
+        if rng.random() < 0.8:
+            paths[fqn] = path
         if rng.random() < 0.25:
             state[fqn] = BytesStorageMetadata()
             locators[MetadataIndex(fqn)] = place(rng.randint(0, 40))
@@ -127,8 +144,21 @@ def draw(seed: int) -> Drawn:
         )
     used = {locator.key for locator in locators.values()}
     objects = {key: end + rng.choice((0, 5)) for key, end in ends.items() if key in used}
-    metadata = Metadata(state_dict_metadata=state, planner_data={})
+    planner_data: Any = paths
+    if rng.random() < 0.2:  # not DCP's default planner's: kept as JSON
+        planner_data = rng.choice([None, {"custom": [1, (2, "x")]}, {**paths, "gone": ("gone",)}])
+    metadata = Metadata(state_dict_metadata=state, planner_data=planner_data)
     return Drawn(metadata, locators, digests, objects, chunks)
+
+
+def _path(rng: random.Random, n: int) -> tuple[str | int, ...]:
+    """A path of keys and list indices, as DCP flattens a nested state dict: dots and other
+    scripts inside keys too, and keys that look like list indices."""
+    keys = ["m", "optim", "é", "a.b", "", "0", "07", "state", "名"]
+    parts: list[str | int] = [rng.choice(keys) for _ in range(rng.randint(0, 3))]
+    parts += [rng.randrange(12) for _ in range(rng.randint(0, 1))]
+    rng.shuffle(parts)
+    return (*parts, f"{rng.choice('abcxyz')}{n}")
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -136,7 +166,7 @@ def test_random_records_round_trip(seed: int) -> None:
     drawn = draw(seed)
     data = drawn.encode()
     checkpoint = decode(data, url=URL)
-    assert checkpoint.version == 3 and checkpoint.record_size == len(data)
+    assert checkpoint.version == 4 and checkpoint.record_size == len(data)
     assert checkpoint.objects == drawn.objects
     for fqn, expected in drawn.chunks.items():
         entry = checkpoint.entries[fqn]
@@ -148,8 +178,14 @@ def test_random_records_round_trip(seed: int) -> None:
         assert entry.chunks[-1] == expected[-1]
     assert checkpoint.locators == drawn.locators
     assert checkpoint.metadata.state_dict_metadata == drawn.metadata.state_dict_metadata
+    assert checkpoint.planner_data == drawn.metadata.planner_data
+    assert isinstance(checkpoint.planner_source, str) == ("planner_data" in json.loads(data))
     assert list(checkpoint.entries) == sorted(drawn.metadata.state_dict_metadata)
-    # The same record as s3ckpt wrote it before version 3 loads to the same checkpoint.
+    # The same record as s3ckpt wrote it before version 4, and before version 3, loads to the
+    # same checkpoint.
+    three = decode(older(data), url=URL)
+    assert three.version == 3 and three.entries == checkpoint.entries
+    assert three.planner_data == checkpoint.planner_data
     old = decode(inline(data), url=URL)
     assert old.version == (2 if drawn.digests or checkpoint.referenced_saves else 1)
     assert old.entries == checkpoint.entries and old.locators == checkpoint.locators
@@ -190,8 +226,9 @@ def drawn_chunks(drawn: Drawn) -> list[list[Chunk]]:
 
 def _tensor_rows(record: dict[str, Any]) -> list[int]:
     rows, at = [], 0
-    for fqn in sorted(record["state_dict"]):
-        entry = record["state_dict"][fqn]
+    state_dict = entries(record)
+    for fqn in sorted(state_dict):
+        entry = state_dict[fqn]
         count = entry["chunks"] if entry["type"] == "tensor" else 1
         if entry["type"] == "tensor":
             rows += range(at, at + count)
@@ -243,15 +280,20 @@ def _hostile(seed: int) -> tuple[str, Callable[[dict[str, Any]], None]]:
 
     def shuffled(record: dict[str, Any]) -> None:
         """Two tensors' entries swap their chunk counts (the table stays): rows misassigned."""
-        tensors = [e for e in record["state_dict"].values() if e["type"] == "tensor"]
-        counts = [e["chunks"] for e in tensors]
+        state = entries(record)
+        tensors = [name for name, e in state.items() if e["type"] == "tensor"]
+        counts = [state[name]["chunks"] for name in tensors]
         if len(set(counts)) < 2:
             miscounted(record)
             return
-        a, b = rng.sample([i for i, _ in enumerate(tensors)], 2)
+        a, b = rng.sample(range(len(tensors)), 2)
         while counts[a] == counts[b]:
             a, b = rng.sample(range(len(tensors)), 2)
-        tensors[a]["chunks"], tensors[b]["chunks"] = counts[b], counts[a]
+
+        def swap(edited: Entries) -> None:
+            edited[tensors[a]]["chunks"], edited[tensors[b]]["chunks"] = counts[b], counts[a]
+
+        edit_entries(record, swap)
 
     changes = [length, key, past_end, outside, negative, truncated, garbled, miscounted, shuffled]
     change = changes[seed % len(changes)]
@@ -276,6 +318,13 @@ def test_hostile_tables_are_refused(seed: int) -> None:
     assert URL in str(caught.value), name
 
 
+def _version_2_with_items(record: dict[str, Any]) -> None:
+    """``record`` in version 3's shape, then called version 2."""
+    three = json.loads(older(json.dumps(record).encode()))
+    record.clear()
+    record.update(three, version=2)
+
+
 def _saved() -> dict[str, Any]:
     record: dict[str, Any] = json.loads(_valid_with_tensors(7).encode())
     return record
@@ -293,7 +342,7 @@ def _saved() -> dict[str, Any]:
         ),
         (lambda r: r["items"].update(rows=True), "items.rows: expected a non-negative int"),
         (lambda r: r["items"].update(digests=1), "items.digests: expected true or false"),
-        (lambda r: r.update(version=2), "an item table in a record of version 1 or 2"),
+        (_version_2_with_items, "an item table in a record of version 1 or 2"),
         (lambda r: r.update(items=[]), "items: expected a JSON object"),
         (
             lambda r: (
@@ -332,7 +381,7 @@ def _flag(deflated: str, rows: int, dims: int) -> str:
 
 
 def test_a_version_3_record_keeps_no_item_inline() -> None:
-    record = _saved()
+    record = json.loads(older(json.dumps(_saved()).encode()))
     inline_record = json.loads(inline(json.dumps(record).encode()))
     fqn = next(f for f, e in record["state_dict"].items() if e["type"] == "tensor")
     record["state_dict"][fqn] = inline_record["state_dict"][fqn]
@@ -401,3 +450,230 @@ def test_the_whole_array_proof_agrees_with_the_full_checks(
     fast = verdict()
     monkeypatch.setattr(table_module, "_is_sharded_once", lambda *_: False)
     assert (fast is None) == (verdict() is None), (seed, column, fast)
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_a_whole_chunk_is_proved_only_where_the_full_checks_agree(seed: int) -> None:
+    """`is_whole`, the three comparisons that stand for every check of an unsharded tensor,
+    accepts a chunk only if `check_tensor` does: the chunk's offsets, sizes and length, each
+    perturbed now and then."""
+    rng = random.Random(seed)
+    size = [rng.randint(0, 4) for _ in range(rng.randint(0, 3))]
+    offsets, sizes = [0] * len(size), list(size)
+    length = 4 * math.prod(size)
+    if size and rng.random() < 0.3:
+        offsets[rng.randrange(len(size))] = rng.choice((1, 2))
+    if size and rng.random() < 0.3:
+        dim = rng.randrange(len(size))
+        sizes[dim] = max(0, sizes[dim] + rng.choice((-1, 1)))
+    if rng.random() < 0.3:
+        length = max(0, length + rng.choice((-4, 4)))
+    items = unpack(pack([0], [0], [length], offsets, sizes, [None]), 1, len(size), 1 << 30)
+    try:
+        check_tensor(items, 0, 0, 1, size, 4, "float32", "t")
+        valid = True
+    except Invalid:
+        valid = False
+    assert not is_whole(items, 0, 0, size, 4) or valid, seed
+    exact = offsets == [0] * len(size) and sizes == size and length == 4 * math.prod(size)
+    assert is_whole(items, 0, 0, size, 4) == exact
+
+
+# ----------------------------------------------------------------------------- the entry table
+
+_PATHS: dict[str, tuple[str | int, ...]] = {"a.0.w": ("a", 0, "w"), "b": ("b",), "c": ("c",)}
+
+
+def _known() -> dict[str, Any]:
+    """The JSON of a record of a float32 [2, 3] ``a.0.w`` (path ``("a", 0, "w")``), a value
+    ``b`` and a float64 [4] ``c`` that requires grad."""
+    state: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {
+        "a.0.w": TensorStorageMetadata(
+            TensorProperties(dtype=torch.float32),
+            torch.Size([2, 3]),
+            [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2, 3]))],
+        ),
+        "b": BytesStorageMetadata(),
+        "c": TensorStorageMetadata(
+            TensorProperties(dtype=torch.float64, requires_grad=True),
+            torch.Size([4]),
+            [ChunkStorageMetadata(torch.Size([0]), torch.Size([4]))],
+        ),
+    }
+    locators = {
+        MetadataIndex("a.0.w", [0, 0]): Locator("d/0", 0, 24),
+        MetadataIndex("b"): Locator("d/0", 24, 5),
+        MetadataIndex("c", [0]): Locator("d/0", 32, 32),
+    }
+    data = encode(
+        Metadata(state, planner_data=dict(_PATHS)),
+        locators,
+        save_id="s",
+        created=1.0,
+        objects={"d/0": 64},
+        frames={"d/0": FrameTable.raw(4096, [7], 64)},
+    )
+    record: dict[str, Any] = json.loads(data)
+    return record
+
+
+def test_the_entry_table_holds_what_its_docstring_says() -> None:
+    record = _known()
+    stored = entry_columns(record)
+    assert stored["lengths"] == [5, 1, 1] and stored["text"] == [b"a.0.wbc"]
+    assert stored["kinds"] == [1, 0, 1] and stored["flags"] == [0, 0, 1]
+    assert stored["dtypes"] == [0, 0, 1] and record["entries"]["dtypes"] == ["float32", "float64"]
+    assert stored["ndims"] == [2, 0, 1] and stored["sizes"] == [2, 3, 4]
+    assert stored["chunks"] == [1, 0, 1]
+    # Paths: "a" (2 x 1 character), the list index 0 (2 x 1 + 1), "w"; "b"; "c".
+    assert stored["paths"] == [4, 2, 2] and stored["parts"] == [2, 3, 2, 2, 2]
+    assert "planner_data" not in record
+    checkpoint = decode(json.dumps(record).encode(), url=URL)
+    assert checkpoint.planner_data == _PATHS and list(checkpoint.entries) == ["a.0.w", "b", "c"]
+    again = json.loads(json.dumps(record))
+    edit_entry_columns(again, lambda columns: None)
+    assert again == record  # the editor changes only what a test changes
+
+
+def _set(column: str, row: int, value: int) -> Callable[[Columns], None]:
+    return lambda columns: columns[column].__setitem__(row, value)
+
+
+def _text(text: bytes, **lengths: int) -> Callable[[Columns], None]:
+    def change(columns: Columns) -> None:
+        columns["text"] = [text]
+        for row, length in lengths.items():
+            columns["lengths"][int(row[1:])] = length
+
+    return change
+
+
+@pytest.mark.parametrize(
+    ("change", "cause"),
+    [
+        (_set("kinds", 1, 2), "a kind is 2, expected 0 (bytes) or 1 (tensor)"),
+        (_set("ndims", 1, 1), "state_dict['b']: a non-tensor value with a dimension"),
+        (_set("dtypes", 1, 1), "state_dict['b']: a non-tensor value with a dtype"),
+        (_set("dtypes", 2, 5), "state_dict['c']: dtype 5 is not listed (of 2)"),
+        (_set("layouts", 0, 1), "state_dict['a.0.w']: layout 1 is not listed (of 1)"),
+        (_set("memory_formats", 2, 3), "state_dict['c']: memory format 3 is not listed"),
+        (_set("flags", 0, 4), "flags 4, expected at most 3"),
+        (_set("lengths", 0, -1), "the table holds a negative number"),
+        (_set("sizes", 0, -2), "the table holds a negative number"),
+        (_text(b"a.0.wcb"), "names must be sorted and unique, got 'c' before 'b'"),
+        (_text(b"a.0.wbb"), "names must be sorted and unique, got 'b' before 'b'"),
+        (_text(b"a.0.w\xffc"), "a name is not UTF-8 text"),
+        (_set("lengths", 0, 6), "the names' lengths add up to 8, the text is 7"),
+        (_set("ndims", 0, 1), "entries.dims: 3, but the entries' dimensions add up to 2"),
+        (_set("paths", 1, 0), "entries.parts: 5, but the entries' paths have 4 parts"),
+        (_set("parts", 0, 4), "state_dict['a.0.w']: its path's parts ([4, 3, 2]) do not make"),
+        (_set("parts", 2, 4), "state_dict['a.0.w']: its path's parts ([2, 3, 4]) do not make"),
+        (_set("parts", 1, 1), "state_dict['a.0.w']: its path holds '' as a list index"),
+        (_set("parts", 0, 3), "state_dict['a.0.w']: its path holds 'a' as a list index"),
+        (_text(b"a.00.wbc"), "the names' lengths add up to 7, the text is 8"),
+        (_set("sizes", 0, 3), "state_dict['a.0.w']: its chunks hold 6 elements, the tensor 9"),
+        (_set("chunks", 0, 2), "items.rows: 3, but the state dict's entries make 4"),
+    ],
+    ids=lambda value: value if isinstance(value, str) else "",
+)
+def test_hostile_entry_columns_are_refused(change: Callable[[Columns], None], cause: str) -> None:
+    record = _known()
+    edit_entry_columns(record, change)
+    with pytest.raises(MetadataError) as caught:
+        decode(json.dumps(record).encode(), url=URL)
+    assert cause in str(caught.value) and URL in str(caught.value)
+
+
+def test_a_list_index_is_a_canonical_number() -> None:
+    """``a.00.w`` cut as ``a``, the list index ``00``, ``w`` is refused: 0 would not make the
+    name again; ``a.00.w`` with ``00`` a key is a path like any other."""
+    record = _known()
+
+    def rename(columns: Columns) -> None:
+        columns["text"], columns["lengths"][0], columns["parts"][1] = [b"a.00.wbc"], 6, 5
+
+    edit_entry_columns(record, rename)
+    with pytest.raises(MetadataError, match="its path holds '00' as a list index"):
+        decode(json.dumps(record).encode(), url=URL)
+
+    def as_key(columns: Columns) -> None:
+        columns["parts"][1] = 4
+
+    edit_entry_columns(record, as_key)
+    assert decode(json.dumps(record).encode(), url=URL).planner_data["a.00.w"] == ("a", "00", "w")
+
+
+@pytest.mark.parametrize(
+    ("change", "cause"),
+    [
+        (lambda r: r["entries"].update(dtypes=["float128", "float64"]), "dtypes[0]: unsupported"),
+        (lambda r: r["entries"].update(dtypes=[["float32"], "float64"]), "dtypes[0]: unsupported"),
+        (lambda r: r["entries"].update(layouts="strided"), "entries.layouts: expected a JSON list"),
+        (lambda r: r["entries"].update(dtypes=["float32"] * 2), "a name appears twice"),
+        (lambda r: r["entries"].update(extra=1), "entries: expected the fields"),
+        (lambda r: r["entries"].pop("parts"), "entries: expected the fields"),
+        (lambda r: r["entries"].update(count=True), "entries.count: expected a non-negative int"),
+        (lambda r: r["entries"].update(deflated="not base64!"), "entries.deflated: not base64"),
+        (lambda r: r["entries"].update(text=8), "entries.deflated: inflates to other than"),
+        (lambda r: r["entries"].update(count=10**9), "entries: the table inflates to"),
+        (lambda r: r.update(entries=[]), "entries: expected a JSON object"),
+        (lambda r: r.pop("entries"), "missing field 'entries'"),
+        (lambda r: r.update(version=3), "entries: an entry table in a record of version 3"),
+        (lambda r: r.update(state_dict={}), "keeps its entries in its entry table"),
+        (lambda r: r.update(planner_data={}), "paths beside planner_data"),
+    ],
+    ids=[
+        "unknown-dtype",
+        "dtype-list",
+        "layouts-str",
+        "dtype-twice",
+        "extra-field",
+        "missing-field",
+        "count-bool",
+        "not-base64",
+        "miscounted",
+        "huge-count",
+        "entries-list",
+        "no-entries",
+        "entries-in-version-3",
+        "state-dict-in-version-4",
+        "planner-data-beside-paths",
+    ],
+)
+def test_the_entry_table_itself_is_checked(
+    change: Callable[[dict[str, Any]], None], cause: str
+) -> None:
+    record = _known()
+    change(record)
+    with pytest.raises(MetadataError) as caught:
+        decode(json.dumps(record).encode(), url=URL)
+    assert cause in str(caught.value) and URL in str(caught.value)
+
+
+def test_the_entry_table_is_bounded_by_max_size() -> None:
+    data = json.dumps(_known()).encode()
+    table = json.loads(data)["entries"]
+    size = entrytable.inflated_size(table["count"], table["dims"], table["parts"], table["text"])
+    assert size == 8 * (9 * 3 + 3 + 5) + 7
+    assert decode(data, url=URL, max_size=size).entries
+    with pytest.raises(MetadataError, match=f"entries: the table inflates to {size} bytes"):
+        decode(data, url=URL, max_size=size - 1)
+
+
+def test_planner_data_of_another_shape_stays_json() -> None:
+    """What DCP's default planners do not write (a list, an int key's path, a path that does not
+    make its name, a path for no entry) is kept as JSON, and read back alike."""
+    drawn = draw(0)
+    names = list(drawn.metadata.state_dict_metadata)
+    for planner_data in (
+        [1, 2],
+        {names[0]: [names[0]]},
+        {names[0]: ("elsewhere",)},
+        {names[0]: (True,)},
+        {names[0]: (-1,)},
+        {"nowhere": ("nowhere",)},
+    ):
+        drawn.metadata.planner_data = planner_data
+        record = json.loads(drawn.encode())
+        assert "planner_data" in record and not any(entry_columns(record)["paths"])
+        assert decode(drawn.encode(), url=URL).planner_data == planner_data

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.metadata import (
 from s3ckpt.errors import MetadataError
 from s3ckpt.format.frames import FrameTable
 from s3ckpt.format.record import Locator, decode, encode, tiling
+from tests.recordshapes import inline
 
 URL = "s3://bucket/ck/.metadata"
 
@@ -51,7 +52,7 @@ def _record(layout: tuple[Metadata, dict[MetadataIndex, Locator], dict[str, int]
 def _unchecked(size: list[int], chunks: list[tuple[list[int], list[int]]]) -> bytes:
     """The record of chunks that `encode` refuses, as a hostile writer would write it."""
     _, locators, objects = _tensor(size, chunks)
-    edited = json.loads(_record(_tensor(size, [([0] * len(size), size)])))
+    edited = json.loads(inline(_record(_tensor(size, [([0] * len(size), size)]))))
     edited["state_dict"]["t"]["chunks"] = [
         {"offsets": offsets, "sizes": sizes, "locator": dataclasses.asdict(locator)}
         for (offsets, sizes), locator in zip(chunks, locators.values(), strict=True)
