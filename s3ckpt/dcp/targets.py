@@ -8,7 +8,7 @@ of the stored dtype, when the item is one contiguous run) or through pieces of a
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
@@ -16,16 +16,16 @@ from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 from ..errors import MetadataError
 from ..format import readplan
 from ..format.readplan import Target
-from ..format.tensorbytes import memory_of
+from ..format.tensorbytes import memory_at
 
 __all__ = ["StoredChunk", "collect", "tensor_targets"]
 
 Finish = Callable[[], None]
 
 
-@dataclass(frozen=True)
-class StoredChunk:
-    """Where one chunk of a tensor is stored: its object (full key), first byte, shape, dtype."""
+class StoredChunk(NamedTuple):
+    """Where one chunk of a tensor is stored: its object (full key), first byte, shape, dtype.
+    (A tuple: a load makes one per tensor it reads.)"""
 
     key: str
     base: int
@@ -105,8 +105,8 @@ def tensor_targets(
             start, end = readplan.covering_range(shape, offsets, lengths, itemsize)
         if end == start:
             return [], finish
-        target = Target(number, key, base + start, base + end, sink=memory_of(dest))
-        return [target], finish
+        sink = memory_at(dest.data_ptr(), end - start)  # all of dest: checked just above
+        return [Target(number, key, base + start, base + end, sink=sink)], finish
 
     targets = []
     for piece_offsets, piece_lengths in readplan.split_rect(

@@ -186,7 +186,7 @@ def coalesce(ranges: Sequence[tuple[int, int]], *, max_gap: int, max_size: int) 
     return [Merged(g_start, g_end, tuple(members)) for g_start, g_end, members in groups]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Target:
     """Bytes ``[start, end)`` of object ``key``, for read item number ``item``.
 

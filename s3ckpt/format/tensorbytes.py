@@ -10,7 +10,7 @@ import ctypes
 
 import torch
 
-__all__ = ["as_flat_bytes", "memory_of"]
+__all__ = ["as_flat_bytes", "memory_at", "memory_of"]
 
 # A memoryview of raw memory in one C call: a ctypes array type per size (what this did before)
 # cost 60-140 us per tensor, more than DCP's own work for a small one.
@@ -41,8 +41,13 @@ def memory_of(tensor: torch.Tensor) -> memoryview:
     """
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
         raise ValueError("memory_of needs a contiguous CPU tensor")
-    size = tensor.numel() * tensor.element_size()
+    return memory_at(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+
+
+def memory_at(address: int, size: int) -> memoryview:
+    """A writable byte view of ``size`` bytes of CPU memory at ``address``: `memory_of` for a
+    caller that has checked the tensor already (a load, per tensor)."""
     if size == 0:
         return memoryview(bytearray())
-    view: memoryview = _view_of_memory(tensor.data_ptr(), size, _PYBUF_WRITE)
+    view: memoryview = _view_of_memory(address, size, _PYBUF_WRITE)
     return view
