@@ -15,6 +15,7 @@ tensors of 4-64 KiB from memory, beside s3ckpt loading them from a local Seaweed
 client's GETs of the same bytes:
 
     python -m benchmarks.bench_dcp_floor --load --repeat 5
+    .venv-peers/bin/python -m benchmarks.bench_dcp_floor --load --peer   # + s3torchconnector
 """
 
 from __future__ import annotations
@@ -109,6 +110,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--small-count", type=count, default=20_000, help="small workload tensors")
     p.add_argument("--load", action="store_true", help="the load floor (needs SeaweedFS)")
     p.add_argument("--load-count", type=count, default=20_000, help="tensors of 4-64 KiB")
+    p.add_argument(
+        "--peer", action="store_true", help="with --load, s3torchconnector's load too (.venv-peers)"
+    )
     p.repeat(5)
     p.seed()
     p.cores()
@@ -130,7 +134,8 @@ def _save(state: dict[str, torch.Tensor], writer: NullWriter, level: int) -> tup
 def load_main(args: argparse.Namespace) -> int:
     specs = uniform_small_specs(args.load_count)
     state = build_state(specs, args.seed)
-    summary = run_load_floor(state, args.repeat, args.trainer_core, args.server_core).summary()
+    floor = run_load_floor(state, args.repeat, args.trainer_core, args.server_core, args.peer)
+    summary = floor.summary()
     headers = ["tensors", "GB", "floor s", "transfer s", "s3ckpt load s", "/ (floor+transfer)"]
     headers += ["floor µs/t", "s3ckpt µs/t", "floor CPU s", "s3ckpt CPU s", "raw GET CPU s"]
     headers += ["CPU / (floor+GETs)"]
@@ -138,6 +143,9 @@ def load_main(args: argparse.Namespace) -> int:
     row += [summary["s3ckpt_load_s"], summary["ratio"], summary["floor_us_per_tensor"]]
     row += [summary["s3ckpt_us_per_tensor"], summary["floor_cpu_s"], summary["s3ckpt_cpu_s"]]
     row += [summary["transfer_cpu_s"], summary["cpu_ratio"]]
+    if args.peer:
+        headers += ["s3torchconnector s", "s3tc / s3ckpt"]
+        row += [summary["s3torchconnector_load_s"], summary["s3torchconnector_over_s3ckpt"]]
     print(format_table(headers, [row]))
     write_json(args.json, {"machine": machine_info(), "settings": vars(args), "summary": summary})
     print(f"wrote {args.json}")

@@ -1,16 +1,19 @@
-"""The commit record per chunk: bytes, encode and decode, version 3 (item table) against the
-inline JSON of versions 1 and 2.
+"""The commit record per chunk and per tensor: bytes, encode and decode, version 4 (entry and
+item tables) against version 3 (entries as JSON objects, item table) and the inline JSON of
+versions 1 and 2.
 
 ``python -m benchmarks.bench_record [--chunks 10000 100000 1000000] [--ranks 128]``. No server:
 the record of an FSDP-style save (every tensor ``Shard(0)`` over ``--ranks`` ranks, one chunk
 per rank, 4 objects per rank, bfloat16) is built as DCP hands it to the writer and encoded by
-today's encoder and by the last one that wrote versions 1-2 (loaded from git, commit
-`OLD_ENCODER`; without git, or in a clone without that commit, the old shape is left out), then
-decoded. Times are CPU seconds of this process (the machine may be shared), the best of
-``--repeat``. "extra chunk" columns are the growth from half the ranks to all of them, the
-tensors staying (as docs/scaling.md counts a chunk); "to DCP" is building DCP's ``Metadata``
-from the decoded record (`Checkpoint.metadata`), which a load does next. Writes
-``benchmarks/results/record.json``.
+today's encoder and by the last ones that wrote versions 3 and 1-2 (loaded from git, commits
+`ENCODERS`; without git, or in a clone without a commit, that shape is left out), then decoded.
+``--layout small`` makes ``--chunks`` unsharded tensors instead (a chunk each, ``--ranks``
+ignored), named and with DCP's ``planner_data`` as its default planner saves a model's and an
+optimizer's state: what a state of many small tensors costs per tensor. Times are CPU seconds
+of this process (the machine may be shared), the best of ``--repeat``. "extra chunk" columns are
+the growth from half the ranks to all of them, the tensors staying (as docs/scaling.md counts a
+chunk); "to DCP" is building DCP's ``Metadata`` from the decoded record
+(`Checkpoint.metadata`), which a load does next. Writes ``benchmarks/results/record.json``.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
@@ -42,7 +46,9 @@ from s3ckpt.format.frames import FrameTable
 from s3ckpt.format.record import Locator, decode, encode
 from s3ckpt.format.record.torchmeta import to_dcp
 
-OLD_ENCODER = "2234e1b"  # the last commit whose encoder wrote versions 1 and 2
+# The last commits whose encoders wrote versions 1 and 2 (inline), and version 3, with the
+# version each writes: today's model names the newest.
+ENCODERS = {"inline": ("2234e1b", None), "v3": ("272bcf5", 3)}
 URL = "s3://b/p/.metadata"
 _OBJECTS_PER_RANK = 4
 _FRAME = 4 << 20
@@ -53,6 +59,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     count = options.positive_int
     p.add_argument("--chunks", type=count, nargs="+", default=[10_000, 100_000, 1_000_000])
     p.add_argument("--ranks", type=count, default=128, help="chunks per tensor")
+    p.add_argument(
+        "--layout",
+        choices=("fsdp", "small"),
+        default="fsdp",
+        help="tensors sharded over --ranks ranks, or --chunks unsharded ones",
+    )
     p.add_argument(
         "--uneven",
         action="store_true",
@@ -67,12 +79,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 Encoder = Callable[..., bytes]
 
 
-def old_encoder() -> Encoder | None:
-    """`encode` as of `OLD_ENCODER`, which wrote the inline shape; None without git."""
+def old_encoder(shape: str) -> Encoder | None:
+    """`encode` as of the commit that last wrote ``shape`` (`ENCODERS`); None without git."""
+    commit, version = ENCODERS[shape]
     path = "s3ckpt/format/record/encoder.py"
     try:
         shown = subprocess.run(
-            ["git", "show", f"{OLD_ENCODER}:{path}"],
+            ["git", "show", f"{commit}:{path}"],
             cwd=ROOT,
             capture_output=True,
             text=True,
@@ -80,9 +93,11 @@ def old_encoder() -> Encoder | None:
         )
     except (OSError, subprocess.CalledProcessError):
         return None
-    module = types.ModuleType("s3ckpt.format.record.encoder_v2")
+    module = types.ModuleType(f"s3ckpt.format.record.encoder_{shape}")
     module.__package__ = "s3ckpt.format.record"
-    exec(compile(shown.stdout, f"{OLD_ENCODER}:{path}", "exec"), module.__dict__)
+    exec(compile(shown.stdout, f"{commit}:{path}", "exec"), module.__dict__)
+    if version is not None:
+        module.__dict__["FORMAT_VERSION"] = version  # the version it wrote, not today's
     found: Encoder = module.encode
     return found
 
@@ -146,6 +161,36 @@ def fsdp_record(tensors: int, ranks: int, seed: int, uneven: bool = False) -> Sa
     )
 
 
+def small_record(tensors: int, seed: int) -> Saved:
+    """What `S3Writer.finish` encodes for ``tensors`` unsharded tensors of a model and its
+    AdamW state (a third each: weights, ``exp_avg``, ``exp_avg_sq``), each one chunk, in one
+    object, with the paths DCP's default planner saves in ``planner_data``."""
+    rng = random.Random(seed)
+    state: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+    paths: dict[str, tuple[str | int, ...]] = {}
+    locators: dict[MetadataIndex, Locator] = {}
+    props = TensorProperties(dtype=torch.float32)
+    end, name = 0, "data-4f1c2a9e/00000-000"
+    for t in range(tensors):
+        layer, kind = divmod(t // 3, 4)
+        param = f"layers.{layer}.{('q', 'k', 'v', 'o')[kind]}.weight"
+        path: tuple[str | int, ...] = (
+            ("model", param)
+            if t % 3 == 0
+            else ("optim", "state", param, ("exp_avg", "exp_avg_sq")[t % 3 - 1])
+        )
+        fqn = ".".join(map(str, path))
+        size = torch.Size([rng.choice((256, 1024, 4096))])
+        state[fqn] = TensorStorageMetadata(
+            props, size, [ChunkStorageMetadata(torch.Size([0]), size)]
+        )
+        paths[fqn] = path
+        locators[MetadataIndex(fqn, [0])] = Locator(name, end, size[0] * 4)
+        end += size[0] * 4
+    metadata = Metadata(state_dict_metadata=state, planner_data=paths)
+    return Saved(metadata, locators, {name: end}, {name: _frames(end)})
+
+
 def _frames(size: int) -> FrameTable:
     count = -(-size // _FRAME)
     sizes = [min(_FRAME, size - i * _FRAME) for i in range(count)]
@@ -162,38 +207,45 @@ def cpu(step: Callable[[], Any], repeat: int) -> tuple[float, Any]:
     return best, out
 
 
-def point(args: argparse.Namespace, chunks: int, old: Encoder | None) -> dict[str, Any]:
-    ranks, repeat, seed = args.ranks, args.repeat, args.seed
+def point(
+    args: argparse.Namespace, chunks: int, encoders: dict[str, Encoder | None]
+) -> dict[str, Any]:
+    small = args.layout == "small"
+    ranks, repeat, seed = (1 if small else args.ranks), args.repeat, args.seed
     tensors = max(1, chunks // ranks)
     out: dict[str, Any] = {"chunks": tensors * ranks, "tensors": tensors, "ranks": ranks}
     extra = tensors * (ranks - ranks // 2)
-    sizes = {"all": ranks, "half": ranks // 2}
-    for shape, encoder in (("v3", encode), ("inline", old)):
+    sizes = {"all": ranks} if small else {"all": ranks, "half": ranks // 2}
+    for shape, encoder in encoders.items():
         if encoder is None:
             continue
         measured: dict[str, dict[str, float | None]] = {}
         for name, world in sizes.items():
-            record = fsdp_record(tensors, world, seed, args.uneven)
+            record = (
+                small_record(tensors, seed)
+                if small
+                else fsdp_record(tensors, world, seed, args.uneven)
+            )
             encode_s, data = cpu(functools.partial(record.encoded, encoder), repeat)
             decode_s, checkpoint = cpu(functools.partial(decode, data, url=URL), repeat)
             dcp_s, _ = cpu(functools.partial(to_dcp, checkpoint), repeat)
             measured[name] = {"bytes": len(data), "encode": encode_s, "decode": decode_s}
             measured[name]["to_dcp"] = dcp_s
-            if shape == "v3" and name == "all":
+            if shape == "v4" and name == "all":
                 out["broadcast"] = broadcast_cost(record.metadata, repeat)
             del data, checkpoint
-        full, half = measured["all"], measured["half"]
+        full, half = measured["all"], measured.get("half", {})
         count = tensors * ranks
         out[shape] = {
             "bytes": full["bytes"],
             "bytes_per_chunk": _per(full["bytes"], count),
-            "bytes_per_extra_chunk": _per(_less(full["bytes"], half["bytes"]), extra),
+            "bytes_per_extra_chunk": _per(_less(full["bytes"], half.get("bytes")), extra),
             **{
                 f"{step}_us_per_chunk": _per(full[step], count, 1e6)
                 for step in ("encode", "decode", "to_dcp")
             },
             **{
-                f"{step}_us_per_extra_chunk": _per(_less(full[step], half[step]), extra, 1e6)
+                f"{step}_us_per_extra_chunk": _per(_less(full[step], half.get(step)), extra, 1e6)
                 for step in ("encode", "decode")
             },
         }
@@ -239,19 +291,27 @@ _COLUMNS = {
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    old = old_encoder()
-    results = [point(args, n, old) for n in args.chunks]
+    encoders = {shape: old_encoder(shape) for shape in ENCODERS}
+    encoders["v4"] = encode
+    results = [point(args, n, encoders) for n in args.chunks]
     rows = [
         [r["chunks"], shape, *(r[shape][key] for key in _COLUMNS.values())]
         for r in results
-        for shape in ("inline", "v3")
+        for shape in encoders
         if shape in r
     ]
     print(format_table(["chunks", "record", *_COLUMNS], rows))
-    inline = f"encoder of commit {OLD_ENCODER}" if old else f"left out: no git, or no {OLD_ENCODER}"
+    shown = {
+        shape: f"encoder of commit {ENCODERS[shape][0]}"
+        if encoders[shape]
+        else f"left out: no git, or no {ENCODERS[shape][0]}"
+        for shape in ENCODERS
+    }
     print(
-        f"inline: versions 1-2 ({inline}); v3: the item table. us: CPU microseconds per chunk; "
-        "/extra: per chunk added from half the ranks to all"
+        f"inline: versions 1-2 ({shown['inline']}); v3: entries as JSON, the item table "
+        f"({shown['v3']}); v4: the entry and item tables. us: CPU microseconds per chunk "
+        "(with --layout small, a chunk is a tensor); /extra: per chunk added from half the "
+        "ranks to all"
     )
     write_json(args.json, {"machine": machine_info(), "args": sys.argv[1:], "results": results})
     for r in results:

@@ -6,7 +6,9 @@ DCP's own per-item work (planning, resolve, commit) plus a memcpy: no storage la
 faster. Against a local SeaweedFS (pinned to another core than this process), the same state is
 saved with `S3Writer` and loaded with `S3Reader`, and the raw client (`benchmarks.raw`) GETs the
 same objects' bytes with the same part size and concurrency: the transfer time. s3ckpt's goal
-is ``load <= 1.3 x (floor + transfer)``.
+is ``load <= 1.3 x (floor + transfer)``. With ``peer``, s3torchconnector's ``S3StorageReader``
+loads the same state too (saved by its ``S3StorageWriter``), in the same interleaved rounds;
+it needs the peers' venv (`benchmarks.bench_peers`).
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import io
 import logging
 import os
 import time
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -38,7 +41,7 @@ from s3ckpt.config import S3Config
 from s3ckpt.engine import bridge
 from s3ckpt.engine.store import get_store
 
-from .common import cpu_since, cpu_times, median, pin_threads, s3_endpoint
+from .common import Endpoint, cpu_since, cpu_times, median, pin_threads, s3_endpoint
 from .raw import RawClient
 from .workload import TensorSpec
 
@@ -149,12 +152,18 @@ class LoadFloor:
     floor_cpu_s: list[float]
     s3ckpt_cpu_s: list[float]
     transfer_cpu_s: list[float]
+    peer_s: list[float] = field(default_factory=list)  # s3torchconnector's, if it ran
+    peer_cpu_s: list[float] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         floor, load, wire = (
             median(x) or 0.0 for x in (self.floor_s, self.s3ckpt_s, self.transfer_s)
         )
+        peer = median(self.peer_s)
         return {
+            "s3torchconnector_load_s": peer,
+            "s3torchconnector_cpu_s": median(self.peer_cpu_s),
+            "s3torchconnector_over_s3ckpt": peer / load if peer and load else None,
             "tensors": self.tensors,
             "bytes": self.nbytes,
             "floor_s": floor,
@@ -204,10 +213,38 @@ def _object_views(config: S3Config, bucket: str, prefix: str) -> dict[str, memor
     return {k: memoryview(bytearray(n)) for k, n in bridge.run(sizes()).items()}
 
 
+def _peer(
+    ep: Endpoint, bucket: str
+) -> tuple[Callable[[], StorageWriter], Callable[[], StorageReader]]:
+    """s3torchconnector's writer and reader of ``s3://bucket/small-s3tc``: it takes its endpoint
+    and keys from the environment only."""
+    from .peers import S3TorchConnectorAdapter, Target, peer_env
+
+    region = ep.region or "us-east-1"
+    target = Target(ep.url, ep.access_key_id, ep.secret_access_key, region, bucket, "", 0, 0)
+    os.environ.update(peer_env(target))
+    adapter = S3TorchConnectorAdapter(target)
+    prefix = adapter.checkpoint_id("small-s3tc")
+    return (lambda: _at(adapter.writer(), prefix)), (lambda: _at(adapter.reader(), prefix))
+
+
+_Storage = TypeVar("_Storage", StorageWriter, StorageReader)
+
+
+def _at(storage: _Storage, checkpoint_id: str) -> _Storage:
+    storage.reset(checkpoint_id)
+    return storage
+
+
 def run_load_floor(
-    state: dict[str, torch.Tensor], repeat: int, trainer_core: int, server_core: int
+    state: dict[str, torch.Tensor],
+    repeat: int,
+    trainer_core: int,
+    server_core: int,
+    peer: bool = False,
 ) -> LoadFloor:
-    """Interleaved: floor, s3ckpt, transfer, ``repeat`` times (after one warm-up each)."""
+    """Interleaved: floor, s3ckpt, transfer (and s3torchconnector with ``peer``), ``repeat``
+    times (after one warm-up each)."""
     logging.getLogger("c10d-NullHandler-dcp_logger").setLevel(logging.INFO)
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {trainer_core})
@@ -227,6 +264,10 @@ def run_load_floor(
         asyncio.run(setup())
         dcp.save(state, storage_writer=S3Writer(bucket, "small", config=config), no_dist=True)
         views = _object_views(config, bucket, "small")
+        peer_reader: Callable[[], StorageReader] | None = None
+        if peer:
+            peer_writer, peer_reader = _peer(ep, bucket)
+            dcp.save(state, storage_writer=peer_writer(), no_dist=True)
 
         async def transfer() -> tuple[float, float]:
             async with RawClient(config) as raw:
@@ -239,9 +280,17 @@ def run_load_floor(
             floor, floor_cpu = _timed_load(state, MemoryReader(memory))
             load, load_cpu = _timed_load(state, S3Reader(bucket, "small", config=config))
             wire, wire_cpu = asyncio.run(transfer())
+            other = ""
+            if peer_reader is not None:
+                peer_load, peer_cpu = _timed_load(state, peer_reader())
+                other = f", s3torchconnector {peer_load:.2f} s ({peer_cpu:.2f} s CPU)"
+                if rep:
+                    result.peer_s.append(peer_load)
+                    result.peer_cpu_s.append(peer_cpu)
             print(
                 f"  [{rep}/{repeat}] floor {floor:.2f} s ({floor_cpu:.2f} s CPU), s3ckpt "
                 f"{load:.2f} s ({load_cpu:.2f} s CPU), transfer {wire:.2f} s ({wire_cpu:.2f} s CPU)"
+                + other
                 + (" (warm-up)" if rep == 0 else ""),
                 flush=True,
             )

@@ -39,6 +39,9 @@ CASES = [
     Case("bench_catalog", "--count 3 --repeat 1"),
     Case("bench_core", "--size-gib 0.01 --repeat 1"),
     Case("bench_dcp_floor", "--size-gib 0.01 --small-count 50 --repeat 1", server=False),
+    Case("bench_dcp_floor", "--load --load-count 50 --repeat 1", server=False),  # own server
+    Case("bench_record", "--chunks 400 --ranks 4 --repeat 1", server=False),
+    Case("bench_record", "--layout small --chunks 200 --repeat 1", server=False),
     Case("bench_faults", "--cycles 1 --size-mib 40 --only cycles"),
     Case("bench_gpu", "--device cpu --skip-training --size-gib 0.01 --saves 2", server=False),
     Case("bench_incremental", "--quick"),
