@@ -39,16 +39,23 @@ WINDOW = 256 * 1024 * 1024  # bytes of receive buffers a rank holds at a time
 _INFLIGHT = 64  # receives posted at a time
 
 
+# Guards the first use of a piece's buffer, from a fetch's thread or the receiving one: rare
+# (shared loads of targets that are placed), where a lock per piece cost every load a lock per
+# tensor.
+_BUFFERS = threading.Lock()
+
+
 class _Piece:
     """One target, assembled from parts fetched and received; or (``own`` False) bytes this
     rank fetches only to send them on."""
+
+    __slots__ = ("_buffer", "left", "own", "target", "whole")
 
     def __init__(self, target: Target, own: bool = True) -> None:
         self.target, self.own = target, own
         self.left = 0  # parts not complete yet
         self.whole = False  # fetched as it is: the fetch places it
         self._buffer: bytearray | None = None
-        self._lock = threading.Lock()
 
     def view(self, start: int, end: int) -> memoryview:
         """Where bytes ``[start, end)`` of the object go: the destination, or the buffer (made
@@ -56,7 +63,7 @@ class _Piece:
         target = self.target
         if target.sink is not None:
             return target.sink[start - target.start : end - target.start]
-        with self._lock:
+        with _BUFFERS:
             if self._buffer is None:
                 self._buffer = bytearray(target.end - target.start)
             buffer = self._buffer
@@ -71,7 +78,7 @@ class _Piece:
             self._buffer = None
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Part:
     piece: _Piece
     start: int

@@ -234,8 +234,10 @@ class S3Reader(AtLocation, StorageReader):
         self, plan: LoadPlan, planner: LoadPlanner
     ) -> tuple[list[Target], Callable[[int], None]]:
         """Every read item's targets, and what to call as each target completes."""
-        url = self.location.metadata_url
-        return collect(plan.items, lambda number, item: self._targets(number, item, planner, url))
+        names = self.checkpoint_id, self.location.metadata_url
+        return collect(
+            plan.items, lambda number, item: self._targets(number, item, planner, *names)
+        )
 
     def _shared_pieces(
         self, plan: LoadPlan, planner: LoadPlanner, share: sharing.Share, ranks: group.Ranks
@@ -343,10 +345,10 @@ class S3Reader(AtLocation, StorageReader):
         return spans
 
     def _targets(
-        self, number: int, item: ReadItem, planner: LoadPlanner, url: str
+        self, number: int, item: ReadItem, planner: LoadPlanner, checkpoint_id: str, url: str
     ) -> tuple[list[Target], Callable[[], None]]:
         """The byte ranges one read item needs, and what to call once they have all arrived
-        (``url``, the record's, names it in errors)."""
+        (``checkpoint_id`` and ``url``, the record's, name it in errors)."""
         if item.type == LoadItemType.BYTE_IO:
             locator = self._locators[item.storage_index]
             key = self._keys[locator.key]
@@ -365,7 +367,7 @@ class S3Reader(AtLocation, StorageReader):
         locator, shape, dtype = self._chunk(item.storage_index)
         chunk = StoredChunk(self._keys[locator.key], locator.offset, shape, dtype)
         return tensor_targets(
-            number, item, planner, chunk, self.config.part_size, self.checkpoint_id, url
+            number, item, planner, chunk, self.config.part_size, checkpoint_id, url
         )
 
     def _check_pickle(self, fqn: str, key: str, raw: bytes) -> None:

@@ -75,7 +75,7 @@ def tensor_targets(
     key, shape, dtype = chunk.key, chunk.shape, chunk.dtype
     offsets, lengths = tuple(item.storage_offsets), tuple(item.lengths)
     dest = planner.resolve_tensor(item).detach()
-    if tuple(dest.shape) != lengths:
+    if dest.shape != lengths:  # a torch.Size is a tuple
         raise MetadataError(
             f"{checkpoint_id}: {item.dest_index.fqn} expects shape {tuple(dest.shape)}, "
             f"the checkpoint has {lengths}",
@@ -94,7 +94,7 @@ def tensor_targets(
     base, itemsize = chunk.base, dtype.itemsize
     whole = lengths == shape and not any(offsets)  # the whole chunk: most reads
     if (
-        dest.device.type == "cpu"
+        dest.is_cpu
         and dest.dtype == dtype
         and dest.is_contiguous()
         and (whole or readplan.is_exact(shape, offsets, lengths))
