@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -220,13 +220,24 @@ class Checkpoint:
 def gc_paused() -> Iterator[None]:
     """A record for a large model is millions of small acyclic objects; letting the cyclic
     collector rescan them while they are built doubles the time of encode and decode."""
-    was_enabled = gc.isenabled()
-    gc.disable()
+    resume = pause_collector()
     try:
         yield
     finally:
+        resume()
+
+
+def pause_collector() -> Callable[..., None]:
+    """Pause the cyclic collector until the call returned is made (with any arguments: it
+    serves as a future's done callback), which turns it on again if it was on."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+
+    def resume(*_: object) -> None:
         if was_enabled:
             gc.enable()
+
+    return resume
 
 
 def is_valid_key(key: Any) -> bool:
