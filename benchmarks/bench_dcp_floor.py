@@ -41,7 +41,7 @@ from s3ckpt.dcp.staging import StagingBuffers
 
 from . import options
 from .common import GB, format_table, machine_info, write_json
-from .dcp_load_floor import run_load_floor, uniform_small_specs
+from .dcp_load_floor import PHASES, run_load_floor, uniform_small_specs
 from .peers import workload_specs
 from .workload import build_state, state_bytes
 
@@ -147,6 +147,10 @@ def load_main(args: argparse.Namespace) -> int:
         headers += ["s3torchconnector s", "s3tc / s3ckpt"]
         row += [summary["s3torchconnector_load_s"], summary["s3torchconnector_over_s3ckpt"]]
     print(format_table(headers, [row]))
+    phases = summary["phases_us_per_tensor"]
+    rows = [[reader, *phases[reader].values(), sum(phases[reader].values())] for reader in phases]
+    print("\nµs per tensor (medians): the record, DCP's planning, read_data, its data, the rest")
+    print(format_table(["reader", *PHASES, "total"], rows))
     write_json(args.json, {"machine": machine_info(), "settings": vars(args), "summary": summary})
     print(f"wrote {args.json}")
     return 0

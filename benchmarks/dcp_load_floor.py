@@ -140,6 +140,55 @@ class MemoryReader(StorageReader):
         return True
 
 
+PHASES = ("record", "dcp", "plan", "data", "rest")
+
+
+class TimedReader(StorageReader):
+    """Forwards to ``inner`` and times its phases of a load (wall seconds): ``record`` (its
+    ``read_metadata``: for s3ckpt the GET, the decode and DCP's ``Metadata``), ``dcp`` (DCP's
+    planning, from then to ``read_data``), ``plan`` (``read_data`` until it returns), ``data``
+    (until its future completes: s3ckpt's fetches, which DCP waits for next). ``rest`` (the
+    caller's: the load less these) is DCP's flattening before and its bookkeeping after."""
+
+    def __init__(self, inner: StorageReader) -> None:
+        self.inner = inner
+        self.phases: dict[str, float] = {}
+        self._read = 0.0
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        self.inner.reset(checkpoint_id)
+
+    def read_metadata(self) -> Metadata:
+        started = time.perf_counter()
+        metadata = self.inner.read_metadata()
+        self._read = time.perf_counter()
+        self.phases["record"] = self._read - started
+        return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, **kw: Any) -> None:
+        self.inner.set_up_storage_reader(metadata, is_coordinator, **kw)
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return self.inner.prepare_local_plan(plan)
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return self.inner.prepare_global_plan(plans)
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        started = time.perf_counter()
+        self.phases["dcp"] = started - self._read
+        future = self.inner.read_data(plan, planner)
+        returned = time.perf_counter()
+        self.phases["plan"] = returned - started
+        future.wait()
+        self.phases["data"] = time.perf_counter() - returned
+        return future
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return True
+
+
 @dataclass
 class LoadFloor:
     """Seconds (medians) and CPU of each way of loading the same state."""
@@ -154,6 +203,16 @@ class LoadFloor:
     transfer_cpu_s: list[float]
     peer_s: list[float] = field(default_factory=list)  # s3torchconnector's, if it ran
     peer_cpu_s: list[float] = field(default_factory=list)
+    # Each load's `TimedReader` phases, by reader: "floor" and "s3ckpt".
+    phases: dict[str, list[dict[str, float]]] = field(default_factory=dict)
+
+    def phases_us_per_tensor(self, reader: str) -> dict[str, float]:
+        """The median of each phase, in microseconds per tensor."""
+        runs = self.phases.get(reader, [])
+        return {
+            name: (median([run[name] for run in runs]) or 0.0) / self.tensors * 1e6
+            for name in PHASES
+        }
 
     def summary(self) -> dict[str, Any]:
         floor, load, wire = (
@@ -176,6 +235,9 @@ class LoadFloor:
             "cpu_ratio": _ratio(self.s3ckpt_cpu_s, self.floor_cpu_s, self.transfer_cpu_s),
             "floor_us_per_tensor": floor / self.tensors * 1e6,
             "s3ckpt_us_per_tensor": load / self.tensors * 1e6,
+            "phases_us_per_tensor": {
+                reader: self.phases_us_per_tensor(reader) for reader in self.phases
+            },
         }
 
 
@@ -190,12 +252,18 @@ def _blank(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: torch.full_like(t, -7.0) for name, t in state.items()}
 
 
-def _timed_load(state: dict[str, torch.Tensor], reader: StorageReader) -> tuple[float, float]:
+def _timed_load(
+    state: dict[str, torch.Tensor], reader: StorageReader, phases: dict[str, float] | None = None
+) -> tuple[float, float]:
+    """A load's seconds and CPU seconds; with ``phases``, its `TimedReader` phases go there."""
     dest = _blank(state)
+    timed = TimedReader(reader)
     gc.collect()
     before, started = cpu_times(), time.perf_counter()
-    dcp.load(dest, storage_reader=reader, no_dist=True)
+    dcp.load(dest, storage_reader=timed if phases is not None else reader, no_dist=True)
     seconds, cpu = time.perf_counter() - started, cpu_since(before)["cpu_s"]
+    if phases is not None:
+        phases.update(timed.phases, rest=seconds - sum(timed.phases.values()))
     bad = next((name for name, t in state.items() if not torch.equal(dest[name], t)), None)
     if bad is not None:
         raise RuntimeError(f"{type(reader).__name__} loaded {bad} wrong")
@@ -277,8 +345,11 @@ def run_load_floor(
                 return seconds, cpu_since(before)["cpu_s"]
 
         for rep in range(repeat + 1):
-            floor, floor_cpu = _timed_load(state, MemoryReader(memory))
-            load, load_cpu = _timed_load(state, S3Reader(bucket, "small", config=config))
+            floor_phases: dict[str, float] = {}
+            load_phases: dict[str, float] = {}
+            floor, floor_cpu = _timed_load(state, MemoryReader(memory), floor_phases)
+            reader = S3Reader(bucket, "small", config=config)
+            load, load_cpu = _timed_load(state, reader, load_phases)
             wire, wire_cpu = asyncio.run(transfer())
             other = ""
             if peer_reader is not None:
@@ -301,4 +372,6 @@ def run_load_floor(
                 result.floor_cpu_s.append(floor_cpu)
                 result.s3ckpt_cpu_s.append(load_cpu)
                 result.transfer_cpu_s.append(wire_cpu)
+                result.phases.setdefault("floor", []).append(floor_phases)
+                result.phases.setdefault("s3ckpt", []).append(load_phases)
     return result
