@@ -257,25 +257,23 @@ def _paths(names: list[str], path_of: Sequence[int], codes: Sequence[int]) -> di
 
 def _cut(name: str, codes: Sequence[int]) -> Path:
     """The path whose parts, of the lengths ``codes`` give, joined by dots make ``name``."""
-    path: list[str | int] = []
-    position = 0
-    for number, code in enumerate(codes):
-        if number:
-            if name[position : position + 1] != ".":
-                break
-            position += 1
-        end = position + (code >> 1)
-        part = name[position:end]
-        if len(part) != code >> 1:
-            break
-        position = end
-        if not code & 1:
-            path.append(part)
-        elif part.isascii() and part.isdigit() and (part == "0" or part[0] != "0"):
-            path.append(int(part))
-        else:
-            fail(f"state_dict[{name!r}]: its path holds {part!r} as a list index")
-    else:
-        if position == len(name):
-            return tuple(path)
-    fail(f"state_dict[{name!r}]: its path's parts ({show(list(codes))}) do not make its name")
+    pieces: list[str] = []
+    start = indices = 0
+    for code in codes:
+        end = start + (code >> 1)
+        pieces.append(name[start:end])
+        start = end + 1
+        indices |= code & 1
+    # Consecutive slices a character apart, as long as the name: the dots, exactly.
+    if (codes and start != len(name) + 1) or ".".join(pieces) != name:
+        fail(f"state_dict[{name!r}]: its path's parts ({show(list(codes))}) do not make its name")
+    if not indices:
+        return tuple(pieces)
+    path: list[str | int] = list(pieces)
+    for position, code in enumerate(codes):
+        if code & 1:
+            part = pieces[position]
+            if not (part.isascii() and part.isdigit() and (part == "0" or part[0] != "0")):
+                fail(f"state_dict[{name!r}]: its path holds {part!r} as a list index")
+            path[position] = int(part)
+    return tuple(path)

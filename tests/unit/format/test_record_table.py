@@ -568,7 +568,7 @@ def _text(text: bytes, **lengths: int) -> Callable[[Columns], None]:
         (_set("paths", 1, 0), "entries.parts: 5, but the entries' paths have 4 parts"),
         (_set("parts", 0, 4), "state_dict['a.0.w']: its path's parts ([4, 3, 2]) do not make"),
         (_set("parts", 2, 4), "state_dict['a.0.w']: its path's parts ([2, 3, 4]) do not make"),
-        (_set("parts", 1, 1), "state_dict['a.0.w']: its path holds '' as a list index"),
+        (_set("parts", 1, 1), "state_dict['a.0.w']: its path's parts ([2, 1, 2]) do not make"),
         (_set("parts", 0, 3), "state_dict['a.0.w']: its path holds 'a' as a list index"),
         (_text(b"a.00.wbc"), "the names' lengths add up to 7, the text is 8"),
         (_set("sizes", 0, 3), "state_dict['a.0.w']: its chunks hold 6 elements, the tensor 9"),
