@@ -195,7 +195,7 @@ class S3Reader(AtLocation, StorageReader):
         if ranks is None or len(hosts) != len(plans) or len(plans) != ranks.size:
             return [dataclasses.replace(p, storage_data=None) for p in plans]
         wanted = [[span for item in p.items for span in self._spans(item)] for p in plans]
-        frames = {self.location.key(key): t.frame_size for key, t in self._frames.items()}
+        frames = {self._keys[key]: t.frame_size for key, t in self._frames.items()}
         shares = sharing.assign(wanted, hosts, frames)
         if shares is None:
             return [dataclasses.replace(p, storage_data=None) for p in plans]
@@ -223,7 +223,7 @@ class S3Reader(AtLocation, StorageReader):
                 )
             else:
                 pieces = self._shared_pieces(plan, planner, share, self._ranks)
-            frames = {self.location.key(key): t.frame_size for key, t in self._frames.items()}
+            frames = {self._keys[key]: t.frame_size for key, t in self._frames.items()}
             fetches = plan_fetches(
                 pieces.fetch_targets,
                 max_gap=self.max_gap,
@@ -278,7 +278,7 @@ class S3Reader(AtLocation, StorageReader):
 
             receiving = loop.run_in_executor(None, pieces.receive_all, complete)
         failure: BaseException | None = None
-        tables = {self.location.key(k): t for k, t in self._frames.items()}
+        tables = {self._keys[k]: t for k, t in self._frames.items()}
         try:
             await self._check_sizes(fetches)
             await run_all(self._store, self.location.bucket, fetches, tables, pieces.fetched)
@@ -315,7 +315,7 @@ class S3Reader(AtLocation, StorageReader):
         reads are split to fit), so that is the rare fetch a tiny hostile record could otherwise
         turn into an allocation of whatever it claims.
         """
-        sizes = {self.location.key(key): table.size for key, table in self._frames.items()}
+        sizes = {self._keys[key]: table.size for key, table in self._frames.items()}
         large = {
             fetch.key
             for fetch in fetches

@@ -69,26 +69,28 @@ def pack(specs: Sequence[Spec], paths: Mapping[str, Sequence[int]]) -> dict[str,
     paths (`path_codes`); values checked by the caller."""
     tables: dict[str, dict[str, int]] = {name: {} for name in _NAMES}
     encoded = [name.encode("utf-8") for name, _, _ in specs]
-    rows: list[list[int]] = [[len(name) for name in encoded]] + [[] for _ in range(7)]
-    kinds, dtypes, layouts, formats, flags, ndims, chunks = rows[1:]
+    rows: list[tuple[int, ...]] = []  # kind, dtype, layout, memory format, flags, ndim, chunks
     sizes: list[int] = []
     for _, fields, chunk_count in specs:
-        if fields is None:
-            for column in (kinds, dtypes, layouts, formats, flags, ndims, chunks):
-                column.append(0)
+        if fields is None:  # a non-tensor value: zeros
+            rows.append((0,) * 7)
             continue
         dtype, size, layout, memory_format, requires_grad, pin_memory = fields
-        kinds.append(1)
-        dtypes.append(_number(tables["dtypes"], dtype))
-        layouts.append(_number(tables["layouts"], layout))
-        formats.append(_number(tables["memory_formats"], memory_format))
-        flags.append(_REQUIRES_GRAD * requires_grad + _PIN_MEMORY * pin_memory)
-        ndims.append(len(size))
-        chunks.append(chunk_count)
+        flags = _REQUIRES_GRAD * requires_grad + _PIN_MEMORY * pin_memory
+        numbers = (
+            _number(tables["dtypes"], dtype),
+            _number(tables["layouts"], layout),
+            _number(tables["memory_formats"], memory_format),
+        )
+        rows.append((1, *numbers, flags, len(size), chunk_count))
         sizes.extend(size)
     codes = [paths.get(name) for name, _, _ in specs]
-    rows.append([0 if c is None else 1 + len(c) for c in codes])
     parts = [part for c in codes if c is not None for part in c]
+    columns = [
+        [len(name) for name in encoded],
+        *(list(zip(*rows, strict=True)) or [()] * 7),
+        [0 if c is None else 1 + len(c) for c in codes],
+    ]
     text = b"".join(encoded)
     return {
         "count": len(specs),
@@ -96,7 +98,7 @@ def pack(specs: Sequence[Spec], paths: Mapping[str, Sequence[int]]) -> dict[str,
         "parts": len(parts),
         "text": len(text),
         **{name: list(table) for name, table in tables.items()},
-        "deflated": deflate([*map(to_int64s, rows), to_int64s(sizes), to_int64s(parts), text]),
+        "deflated": deflate([*map(to_int64s, columns), to_int64s(sizes), to_int64s(parts), text]),
     }
 
 
