@@ -28,7 +28,10 @@ loop (warm buffers and client, as in a long job), then checkpoints after steps N
 trains N more steps after the last one before waiting for it to be durable, so the last upload
 overlaps like the others.
 The loop's wall time includes that wait. Blocking is the time spent inside the save call plus
-waiting for the previous save. CPU is the trainer process's and its children's (PROCESS mode's
+waiting for the previous save. Each checkpoint's share of the in-run loss (its blocking, and the
+slowing of the steps after it) is kept too, so that a run's first checkpoint is compared with its
+later ones against the same clean step ("1st ckpt +s"): what a job's first save costs more,
+without the drift between runs. CPU is the trainer process's and its children's (PROCESS mode's
 checkpoint process), all threads; the second table splits the trainer process's CPU by thread
 (from /proc/self/task), per GB saved.
 
@@ -195,6 +198,10 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]
             if background is None or not saved_gb
             else background / saved_gb,
             "in_run_all": [r["in_run_lost_s"] for r in results],
+            # the first checkpoint's in-run loss beyond the median of the run's later ones
+            "first_extra_s": median(
+                [_first_extra(r) for r in results if _first_extra(r) is not None]
+            ),
             "thread_cpu_s_per_gb": _per_thread(results, saved_gb),
             "slowed_s": median([r["slowed_s"] for r in results]),
             "clean_step_s": median([r["clean_step_s"] for r in results]),
@@ -213,6 +220,14 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]
             cut = None if lost is None or not sync_lost or sync_lost <= 0 else 1 - lost / sync_lost
             numbers[f"cut_vs_sync{'' if kind == 'lost_s' else '_in_run'}"] = cut
     return out
+
+
+def _first_extra(result: dict[str, Any]) -> float | None:
+    """A run's first checkpoint's loss beyond its later ones' median: what a job's first save
+    costs more, measured against the same run's clean step (None without two checkpoints)."""
+    lost = result.get("lost_by_checkpoint_s", [])
+    later = median(lost[1:])
+    return None if later is None else lost[0] - later
 
 
 def _per_thread(results: list[dict[str, Any]], saved_gb: float) -> dict[str, float]:
@@ -240,8 +255,8 @@ def thread_table(summary: dict[str, dict[str, Any]]) -> str:
 
 
 def table(summary: dict[str, dict[str, Any]], checkpoints: int) -> str:
-    headers = ["mode", "in-run lost s", "cut", "blocking s", "slowed s", "wall s", "lost s"]
-    headers += ["cut (wall)", "bg CPU s", "bg CPU s/GB", "MB/ckpt", "walls"]
+    headers = ["mode", "in-run lost s", "cut", "blocking s", "slowed s", "1st ckpt +s"]
+    headers += ["wall s", "lost s", "cut (wall)", "bg CPU s", "bg CPU s/GB", "MB/ckpt", "walls"]
     rows = []
     for mode, n in summary.items():
         cut = None if n["cut_vs_sync"] is None else f"{100 * n['cut_vs_sync']:.0f}%"
@@ -249,12 +264,14 @@ def table(summary: dict[str, dict[str, Any]], checkpoints: int) -> str:
         size = None if n["state_bytes"] is None else n["state_bytes"] / 1e6
         in_run = n["cut_vs_sync_in_run"]
         rows.append([mode, n["in_run_lost_s"], None if in_run is None else f"{100 * in_run:.0f}%"])
-        rows[-1] += [n["blocking_s"], n["slowed_s"], n["wall_s"], n["lost_s"], cut]
+        rows[-1] += [n["blocking_s"], n["slowed_s"], n["first_extra_s"]]
+        rows[-1] += [n["wall_s"], n["lost_s"], cut]
         rows[-1] += [n["background_cpu_s"], n["background_cpu_s_per_gb"], size, walls]
     note = (
         f"{checkpoints} checkpoints, medians. in-run lost = blocking + what steps with a save in "
-        "flight took beyond the run's own clean step (cut: against sync's); lost = wall - "
-        "wall(none) across runs, which this machine's drift between runs makes noisy"
+        "flight took beyond the run's own clean step (cut: against sync's); 1st ckpt +s = the "
+        "first checkpoint's share of it beyond the median of the run's later ones; lost = wall "
+        "- wall(none) across runs, which this machine's drift between runs makes noisy"
     )
     return format_table(headers, rows) + "\n" + note
 

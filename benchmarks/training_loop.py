@@ -260,6 +260,7 @@ def _timed(
     kind = AsyncCheckpointerType.PROCESS if mode == "process" else AsyncCheckpointerType.THREAD
     pending: Any = None
     blocking = 0.0
+    blocked: list[float] = []  # each checkpoint's blocking (the last one's with the final wait)
 
     def checkpoint(name: str) -> None:
         nonlocal pending, blocking
@@ -281,6 +282,7 @@ def _timed(
                 async_checkpointer_type=kind,
             )
         blocking += time.perf_counter() - began
+        blocked.append(time.perf_counter() - began)
 
     def in_flight_now() -> bool:
         if raw is not None:
@@ -295,6 +297,8 @@ def _timed(
         if raw is not None:
             raw.wait()
         blocking += time.perf_counter() - began
+        if blocked:
+            blocked[-1] += time.perf_counter() - began
 
     if mode == "thread-prepared":
         model_state, optim_state = get_state_dict(model, optimizer)
@@ -303,6 +307,7 @@ def _timed(
         checkpoint("warm-up")
         durable()
     blocking = 0.0
+    blocked.clear()
     model_state, optim_state = get_state_dict(model, optimizer)
     tensors = _tensors({"model": model_state, "optim": optim_state}).values()
     state_bytes = sum(t.numel() * t.element_size() for t in tensors)
@@ -332,8 +337,16 @@ def _timed(
     # step without a save in flight (the whole first interval is one) is the baseline.
     clean = statistics.median(d for d, b in zip(durations, busy, strict=True) if not b)
     slowed = sum(d - clean for d, b in zip(durations, busy, strict=True) if b)
+    # Each checkpoint's share: its blocking, and the slowing of the steps after it (until the
+    # next), so that a job's first checkpoint is compared with its later ones in the same run.
+    by_checkpoint = list(blocked)
+    for number, (duration, was_busy) in enumerate(zip(durations, busy, strict=True), start=1):
+        after = min((number - 1) // interval, len(by_checkpoint))
+        if was_busy and after:
+            by_checkpoint[after - 1] += duration - clean
     return {
         "in_run_lost_s": blocking + slowed,
+        "lost_by_checkpoint_s": by_checkpoint,
         "main_thread_cpu_s": threads_after[0] - threads_before[0],
         "other_threads_cpu_s": threads_after[1] - threads_before[1],
         "thread_cpu_s": by_thread,
