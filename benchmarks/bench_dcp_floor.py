@@ -150,7 +150,10 @@ def load_main(args: argparse.Namespace) -> int:
     phases = summary["phases_us_per_tensor"]
     rows = [[reader, *phases[reader].values(), sum(phases[reader].values())] for reader in phases]
     print("\nµs per tensor (medians): the record, DCP's planning, read_data, its data, the rest")
+    print("(collector: what of each Python's cyclic collector ran, in any thread)")
     print(format_table(["reader", *PHASES, "total"], rows))
+    full = ", ".join(f"{r.split()[0]} {n:g}" for r, n in summary["full_collections"].items())
+    print(f"full collections per load (medians): {full}")
     write_json(args.json, {"machine": machine_info(), "settings": vars(args), "summary": summary})
     print(f"wrote {args.json}")
     return 0

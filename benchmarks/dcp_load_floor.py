@@ -18,6 +18,7 @@ import gc
 import io
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -143,26 +144,61 @@ class MemoryReader(StorageReader):
 PHASES = ("record", "dcp", "plan", "data", "rest")
 
 
+class Collector:
+    """While entered: the seconds Python's cyclic collector ran, in any thread, and its full
+    passes. A pass over a state dict of many tensors costs a load as much as a phase of it."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.full = 0
+        self._started: dict[int, float] = {}
+
+    def __enter__(self) -> Collector:
+        gc.callbacks.append(self._note)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        gc.callbacks.remove(self._note)
+
+    def _note(self, phase: str, info: dict[str, int]) -> None:
+        now, thread = time.perf_counter(), threading.get_ident()
+        if phase == "start":
+            self._started[thread] = now
+            return
+        self.seconds += now - self._started.pop(thread, now)
+        self.full += info["generation"] == 2
+
+
 class TimedReader(StorageReader):
     """Forwards to ``inner`` and times its phases of a load (wall seconds): ``record`` (its
     ``read_metadata``: for s3ckpt the GET, the decode and DCP's ``Metadata``), ``dcp`` (DCP's
     planning, from then to ``read_data``), ``plan`` (``read_data`` until it returns), ``data``
     (until its future completes: s3ckpt's fetches, which DCP waits for next). ``rest`` (the
-    caller's: the load less these) is DCP's flattening before and its bookkeeping after."""
+    caller's: the load less these) is DCP's flattening before and its bookkeeping after.
+    ``collected`` holds what of each phase the ``collector`` ran."""
 
-    def __init__(self, inner: StorageReader) -> None:
+    def __init__(self, inner: StorageReader, collector: Collector) -> None:
         self.inner = inner
+        self.collector = collector
         self.phases: dict[str, float] = {}
-        self._read = 0.0
+        self.collected: dict[str, float] = {}
+        self._at = (0.0, 0.0)  # the last phase's end: wall and collector seconds
+
+    def _phase(self, name: str, started: tuple[float, float]) -> None:
+        self._at = time.perf_counter(), self.collector.seconds
+        self.phases[name] = self._at[0] - started[0]
+        self.collected[name] = self._at[1] - started[1]
+
+    def _now(self) -> tuple[float, float]:
+        return time.perf_counter(), self.collector.seconds
 
     def reset(self, checkpoint_id: Any = None) -> None:
         self.inner.reset(checkpoint_id)
 
     def read_metadata(self) -> Metadata:
-        started = time.perf_counter()
+        started = self._now()
         metadata = self.inner.read_metadata()
-        self._read = time.perf_counter()
-        self.phases["record"] = self._read - started
+        self._phase("record", started)
         return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, **kw: Any) -> None:
@@ -175,13 +211,11 @@ class TimedReader(StorageReader):
         return self.inner.prepare_global_plan(plans)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        started = time.perf_counter()
-        self.phases["dcp"] = started - self._read
+        self._phase("dcp", self._at)
         future = self.inner.read_data(plan, planner)
-        returned = time.perf_counter()
-        self.phases["plan"] = returned - started
+        self._phase("plan", self._at)
         future.wait()
-        self.phases["data"] = time.perf_counter() - returned
+        self._phase("data", self._at)
         return future
 
     @classmethod
@@ -203,7 +237,8 @@ class LoadFloor:
     transfer_cpu_s: list[float]
     peer_s: list[float] = field(default_factory=list)  # s3torchconnector's, if it ran
     peer_cpu_s: list[float] = field(default_factory=list)
-    # Each load's `TimedReader` phases, by reader: "floor" and "s3ckpt".
+    # Each load's `TimedReader` phases, by reader ("floor", "s3ckpt"), and the collector's
+    # seconds in each of them (by reader + " collector").
     phases: dict[str, list[dict[str, float]]] = field(default_factory=dict)
 
     def phases_us_per_tensor(self, reader: str) -> dict[str, float]:
@@ -238,6 +273,11 @@ class LoadFloor:
             "phases_us_per_tensor": {
                 reader: self.phases_us_per_tensor(reader) for reader in self.phases
             },
+            "full_collections": {
+                reader: median([run["full"] for run in runs])
+                for reader, runs in self.phases.items()
+                if reader.endswith("collector")
+            },
         }
 
 
@@ -253,17 +293,25 @@ def _blank(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _timed_load(
-    state: dict[str, torch.Tensor], reader: StorageReader, phases: dict[str, float] | None = None
+    state: dict[str, torch.Tensor],
+    reader: StorageReader,
+    phases: dict[str, float] | None = None,
+    collected: dict[str, float] | None = None,
 ) -> tuple[float, float]:
-    """A load's seconds and CPU seconds; with ``phases``, its `TimedReader` phases go there."""
+    """A load's seconds and CPU seconds; with ``phases`` and ``collected``, its `TimedReader`
+    phases and the collector's seconds in each go there."""
     dest = _blank(state)
-    timed = TimedReader(reader)
     gc.collect()
-    before, started = cpu_times(), time.perf_counter()
-    dcp.load(dest, storage_reader=timed if phases is not None else reader, no_dist=True)
-    seconds, cpu = time.perf_counter() - started, cpu_since(before)["cpu_s"]
+    with Collector() as collector:
+        timed = TimedReader(reader, collector)
+        before, started = cpu_times(), time.perf_counter()
+        dcp.load(dest, storage_reader=timed if phases is not None else reader, no_dist=True)
+        seconds, cpu = time.perf_counter() - started, cpu_since(before)["cpu_s"]
     if phases is not None:
         phases.update(timed.phases, rest=seconds - sum(timed.phases.values()))
+    if collected is not None:
+        rest = collector.seconds - sum(timed.collected.values())
+        collected.update(timed.collected, rest=rest, full=collector.full)
     bad = next((name for name, t in state.items() if not torch.equal(dest[name], t)), None)
     if bad is not None:
         raise RuntimeError(f"{type(reader).__name__} loaded {bad} wrong")
@@ -347,9 +395,11 @@ def run_load_floor(
         for rep in range(repeat + 1):
             floor_phases: dict[str, float] = {}
             load_phases: dict[str, float] = {}
-            floor, floor_cpu = _timed_load(state, MemoryReader(memory), floor_phases)
+            floor_gc: dict[str, float] = {}
+            load_gc: dict[str, float] = {}
+            floor, floor_cpu = _timed_load(state, MemoryReader(memory), floor_phases, floor_gc)
             reader = S3Reader(bucket, "small", config=config)
-            load, load_cpu = _timed_load(state, reader, load_phases)
+            load, load_cpu = _timed_load(state, reader, load_phases, load_gc)
             wire, wire_cpu = asyncio.run(transfer())
             other = ""
             if peer_reader is not None:
@@ -374,4 +424,6 @@ def run_load_floor(
                 result.transfer_cpu_s.append(wire_cpu)
                 result.phases.setdefault("floor", []).append(floor_phases)
                 result.phases.setdefault("s3ckpt", []).append(load_phases)
+                result.phases.setdefault("floor collector", []).append(floor_gc)
+                result.phases.setdefault("s3ckpt collector", []).append(load_gc)
     return result
