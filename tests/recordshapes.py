@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from s3ckpt.format.layout import is_reference
+from s3ckpt.format.record import columns as record_columns
 from s3ckpt.format.record import decode, entrytable
 from s3ckpt.format.record import table as item_table
 from s3ckpt.format.record.model import TUPLE_TAG, BytesEntry
@@ -148,11 +149,11 @@ def entry_columns(record: dict[str, Any]) -> Columns:
     table = record["entries"]
     n, dims, parts = table["count"], table["dims"], table["parts"]
     size = entrytable.inflated_size(n, dims, parts, table["text"])
-    raw = item_table.inflate(table["deflated"], size, "entries")
+    raw = record_columns.inflate(table["deflated"], size, "entries")
     lengths = [n] * 9 + [dims, parts]
     cuts = [0, *itertools.accumulate(8 * length for length in lengths)]
     out: Columns = {
-        name: list(item_table.from_int64s(raw[a:b]))
+        name: list(record_columns.from_int64s(raw[a:b]))
         for name, a, b in zip(ENTRY_COLUMNS, cuts[:-1], cuts[1:], strict=True)
     }
     out["text"] = [bytes(raw[cuts[-1] :])]
@@ -170,8 +171,8 @@ def edit_entry_columns(record: dict[str, Any], change: Callable[[Columns], None]
         dims=len(edited["sizes"]),
         parts=len(edited["parts"]),
         text=len(text),
-        deflated=item_table.deflate(
-            [*(item_table.to_int64s(edited[name]) for name in ENTRY_COLUMNS), text]
+        deflated=record_columns.deflate(
+            [*(record_columns.to_int64s(edited[name]) for name in ENTRY_COLUMNS), text]
         ),
     )
 

@@ -83,12 +83,15 @@ def decode(data: bytes, *, url: str, max_size: int = MAX_SIZE) -> Checkpoint:
     it is asked for. The densest valid content measured (one-element chunks; objects
     holding one byte each) takes under 8 times its text.
 
-    A version-3 record's item table (`table`) is compressed: its inflated size, which the state
-    dict's entries fix, must be at most ``max_size`` (``S3Config.max_record_size``, the bound
-    on the record's own size), checked before any of it is inflated; the bound above is then of
-    the record's size plus that inflated size (40 bytes a chunk of one dimension, 56 of two).
-    The densest table measured, 300,000 one-element chunks in shuffled order (a tuple each in
-    the checks), took under 6 times that."""
+    The item table of versions 3 and 4 (`table`) and the entry table of version 4
+    (`entrytable`) are compressed: each one's inflated size, which its counts fix (for the item
+    table, the state dict's entries), must be at most ``max_size`` (``S3Config.max_record_size``,
+    the bound on the record's own size), checked before any of it is inflated; the bound above
+    is then of the record's size plus those inflated sizes (40 bytes a chunk of one dimension,
+    56 of two; 72 bytes an entry, plus its name, sizes and path). The densest tables measured,
+    300,000 one-element chunks in shuffled order (a tuple each in the checks) and 300,000
+    scalars with a path each, took under 6 times that. Version 4's paths are decoded with the
+    entries (a tuple each); ``planner_data`` of another shape is kept as its text, as before."""
     try:
         with gc_paused():
             return _decode_record(data, url, max_size)

@@ -13,15 +13,16 @@ as in version 3.
 
 The record's ``"entries"`` is ``{"count": N, "dims": D, "parts": P, "text": T, "dtypes": [...],
 "layouts": [...], "memory_formats": [...], "deflated": base64}``; the three lists give the names
-that the dtype, layout and memory-format columns number. Inflated (zlib, as the item table), the
-table is, in order: nine int64 columns of N values, one row per entry in the order of the names
-(each name's length in UTF-8 bytes; its kind, 0 a non-tensor value and 1 a tensor; dtype, layout
-and memory format; flags, 1 requires_grad and 2 pin_memory; dimensions; chunks, the tensor's
-rows in the item table; path, 0 for none, else 1 + its number of parts), every column but the
-first and the last 0 for a non-tensor value; then the tensors' sizes (D values, tensor by
-tensor); then the paths' parts (P values, entry by entry: twice the part's length in characters,
-plus 1 for a list index); then the names' UTF-8 text (T bytes), sorted, each name once. N, D, P
-and T give the inflated size, which is checked against a limit before any of it is inflated.
+that the dtype, layout and memory-format columns number. Inflated (`columns`, as the item
+table), the table is, in order: nine int64 columns of N values, one row per entry in the order
+of the names (each name's length in UTF-8 bytes; its kind, 0 a non-tensor value and 1 a tensor;
+dtype, layout and memory format; flags, 1 requires_grad and 2 pin_memory; dimensions; chunks,
+the tensor's rows in the item table; path, 0 for none, else 1 + its number of parts), every
+column but the first and the last 0 for a non-tensor value; then the tensors' sizes (D values,
+tensor by tensor); then the paths' parts (P values, entry by entry: twice the part's length in
+characters, plus 1 for a list index); then the names' UTF-8 text (T bytes), sorted, each name
+once. N, D, P and T give the inflated size, which is checked against a limit before any of it
+is inflated.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from operator import ge, not_
 from typing import Any
 
 from ..jsoncheck import as_count, as_dict, as_list, fail, get_field, show
+from .columns import deflate, from_int64s, has_negative, inflate, to_int64s
 from .model import DTYPE_SIZES, LAYOUTS, MEMORY_FORMATS
-from .table import deflate, from_int64s, has_negative, inflate, to_int64s
 
 __all__ = ["EntryTable", "Fields", "Path", "Spec", "pack", "path_codes", "unpack"]
 

@@ -1,19 +1,18 @@
-"""The item table of a version-3 record: every item's locator, and every chunk's offsets, sizes
-and digest, as columns of integers. No torch.
+"""The item table of a record of version 3 or 4: every item's locator, and every chunk's
+offsets, sizes and digest, as columns of integers (`columns`). No torch.
 
 Inline JSON cost 126 bytes and 9.5 us of decoding per chunk; columns of little-endian int64s,
 deflated, cost a few bytes (a sharded tensor's sizes and lengths repeat from chunk to chunk,
 its offsets step evenly, and the high bytes are zeros), and decoding is C loops over arrays
 rather than a Python object per field. No delta coding: it would halve a table that is small
-already, and undoing it costs a Python int per value. zlib, not zstd: every reader has it, and
-the table must load where the optional ``zstandard`` is not installed.
+already, and undoing it costs a Python int per value.
 
 The record's ``"items"`` is ``{"rows": R, "dims": D, "digests": bool, "deflated": base64}``.
 Rows are the items in the order of the state dict's names, sorted: a tensor's chunks (a row
 each, in their order), a non-tensor value (one row). Inflated, the table is, in order: the
 rows' object (its position among the record's object keys, sorted), offset and length; the
 chunks' offsets, then their sizes (``D`` values each: tensor by tensor, dimension by
-dimension, chunk by chunk), each of these five columns int64 and delta-coded; then, if
+dimension, chunk by chunk), each of these five columns int64; then, if
 ``digests``, one byte per row (1: the row has one) and 16 bytes per row (its xxh3-128 digest;
 zeros where it has none). ``R`` and ``D`` follow from the state dict, so the table's inflated
 size is known, and checked against a limit, before any of it is inflated.
@@ -21,11 +20,7 @@ size is known, and checked against a limit, before any of it is inflated.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import math
-import sys
-import zlib
 from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -33,13 +28,13 @@ from itertools import accumulate, repeat
 from operator import add, eq, gt, mul, ne
 from typing import Any, overload
 
-from ..jsoncheck import Invalid, as_bool, as_count, as_dict, as_str, fail, get_field, show
+from ..jsoncheck import Invalid, as_bool, as_count, as_dict, fail, get_field, show
+from .columns import deflate, from_int64s, has_negative, inflate, to_int64s
 from .model import Chunk, Locator
 from .tiling import check_chunk, check_extent, check_tiling_columns
 
 __all__ = ["ChunkList", "ItemTable", "pack", "unpack"]
 
-_LEVEL = 6  # zlib's default: level 9 saves under 1% more of a table, at twice the time
 _DIGEST = 16
 _FIELDS = {"rows", "dims", "digests", "deflated"}
 _ZEROS = bytes(_DIGEST)
@@ -119,54 +114,6 @@ def unpack(value: Any, rows: int, dims: int, limit: int) -> ItemTable:
             fail("items: a digest flag is neither 0 nor 1")
     keys, offsets, lengths, chunk_offsets, chunk_sizes = columns
     return ItemTable(keys, offsets, lengths, chunk_offsets, chunk_sizes, flags, digests)
-
-
-def inflate(value: Any, size: int, where: str) -> memoryview:
-    """A table's ``deflated`` base64, inflated to exactly the ``size`` bytes its counts make:
-    inflating stops there, so a stream that would inflate further allocates nothing more."""
-    try:
-        deflated = base64.b64decode(as_str(value, where, "deflated"), validate=True)
-    except binascii.Error as e:
-        fail(f"{where}.deflated: not base64: {e}")
-    inflater = zlib.decompressobj()
-    try:
-        raw = memoryview(inflater.decompress(deflated, size + 1))
-    except zlib.error as e:
-        fail(f"{where}.deflated: does not inflate: {e}")
-    del deflated
-    if len(raw) != size or not inflater.eof or inflater.unused_data:
-        fail(f"{where}.deflated: inflates to other than the {size} bytes its counts make")
-    return raw
-
-
-def deflate(parts: list[bytes]) -> str:
-    """The ``deflated`` base64 of a table's inflated ``parts``."""
-    return base64.b64encode(zlib.compress(b"".join(parts), _LEVEL)).decode("ascii")
-
-
-_NON_NEGATIVE = bytes(range(128))  # the top bytes of non-negative little-endian int64s
-
-
-def has_negative(data: memoryview) -> bool:
-    """Whether little-endian int64s hold a negative value: a sign bit, found by a byte loop."""
-    return bool(bytes(data[7::8]).translate(None, _NON_NEGATIVE))
-
-
-def to_int64s(values: Sequence[int]) -> bytes:
-    """Little-endian int64s."""
-    packed = array("q", values)
-    if sys.byteorder == "big":
-        packed.byteswap()
-    return packed.tobytes()
-
-
-def from_int64s(data: memoryview) -> array[int]:
-    """Little-endian int64s as an array."""
-    unpacked = array("q")
-    unpacked.frombytes(data)
-    if sys.byteorder == "big":
-        unpacked.byteswap()
-    return unpacked
 
 
 def is_whole(table: ItemTable, row: int, col: int, size: list[int], itemsize: int) -> bool:
