@@ -51,6 +51,8 @@ _COLUMNS = 9
 _REQUIRES_GRAD, _PIN_MEMORY = 1, 2
 _FIELDS = {"count", "dims", "parts", "text", "dtypes", "layouts", "memory_formats", "deflated"}
 _NAMES = {"dtypes": DTYPE_SIZES, "layouts": LAYOUTS, "memory_formats": MEMORY_FORMATS}
+# The columns that only a tensor may set, for messages.
+_TENSOR_COLUMNS = ("dtype", "layout", "memory format", "flag", "dimension", "chunk count")
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,9 +171,12 @@ def unpack(value: Any, limit: int) -> EntryTable:
         if any(compress(column, others)):
             row = next(i for i, v in enumerate(column) if v and not kinds[i])
             fail(f"state_dict[{names[row]!r}]: a non-tensor value with a {what}")
-    for column, known, what in ((dtype_of, dtypes, "dtype"), (layout_of, layouts, "layout")):
+    for column, known, what in (
+        (dtype_of, dtypes, "dtype"),
+        (layout_of, layouts, "layout"),
+        (format_of, formats, "memory format"),
+    ):
         _check_index(column, kinds, len(known), names, what)
-    _check_index(format_of, kinds, len(formats), names, "memory format")
     if flags and max(flags) > _REQUIRES_GRAD + _PIN_MEMORY:
         fail(f"entries: flags {max(flags)}, expected at most 3 (requires_grad and pin_memory)")
     if sum(ndims) != dims:
@@ -199,9 +204,6 @@ def unpack(value: Any, limit: int) -> EntryTable:
         specs.append((name, fields, chunk_count))
         at += ndim
     return EntryTable(specs, _paths(names, path_of, codes))
-
-
-_TENSOR_COLUMNS = ("dtype", "layout", "memory format", "flag", "dimension", "chunk count")
 
 
 def _names(table: dict[str, Any], field: str) -> list[str]:

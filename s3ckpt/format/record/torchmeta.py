@@ -34,6 +34,7 @@ from .model import (
 from .table import ChunkList
 
 _T = TypeVar("_T")
+_Row = tuple[tuple[int, ...], tuple[int, ...]]  # a chunk's offsets and sizes
 
 
 def _by_name(names: tuple[str, ...], kind: type[_T]) -> dict[str, _T]:
@@ -143,18 +144,18 @@ def _to_dcp(checkpoint: Checkpoint) -> tuple[Metadata, Locators]:
     return metadata, locators
 
 
-class _Chunks(dict[tuple[tuple[int, ...], tuple[int, ...]], ChunkStorageMetadata]):
-    """DCP's chunk objects by offsets and sizes, one per distinct chunk, with one ``torch.Size``
-    per distinct shape and one list per distinct lone chunk (an unsharded tensor's): the
-    tensors of a sharded state share their chunk geometry (FSDP: each shard of every layer
-    alike), an unsharded tensor's one chunk has its size, and one dict lookup costs a third of
-    making an object. Fewer objects also spare the collector: a load's `Metadata` of 20k small
-    tensors was 106k objects for it to track, half of them sizes. DCP only reads them."""
+class _Chunks:
+    """DCP's chunk objects, one per distinct offsets and sizes, with one ``torch.Size`` per
+    distinct shape and one list per distinct lone chunk (an unsharded tensor's): the tensors of
+    a sharded state share their chunk geometry (FSDP: each shard of every layer alike), an
+    unsharded tensor's one chunk has its size, and one dict lookup costs a third of making an
+    object. Fewer objects also spare the collector: a load's `Metadata` of 20k small tensors
+    was 106k objects for it to track, half of them sizes. DCP only reads them."""
 
     def __init__(self) -> None:
-        super().__init__()
         self._sizes: dict[tuple[int, ...], torch.Size] = {}
-        self._alone: dict[int, list[ChunkStorageMetadata]] = {}  # by the chunk's id
+        self._chunks: dict[_Row, ChunkStorageMetadata] = {}
+        self._alone: dict[_Row, list[ChunkStorageMetadata]] = {}
 
     def size(self, values: tuple[int, ...]) -> torch.Size:
         found = self._sizes.get(values)
@@ -162,15 +163,20 @@ class _Chunks(dict[tuple[tuple[int, ...], tuple[int, ...]], ChunkStorageMetadata
             found = self._sizes[values] = torch.Size(values)
         return found
 
-    def make(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> ChunkStorageMetadata:
-        chunk = self[offsets, sizes] = ChunkStorageMetadata(self.size(offsets), self.size(sizes))
-        return chunk
-
-    def alone(self, chunk: ChunkStorageMetadata) -> list[ChunkStorageMetadata]:
-        """The list of ``chunk`` alone, shared by the tensors it is the only chunk of."""
-        found = self._alone.get(id(chunk))
+    def chunk(self, row: _Row) -> ChunkStorageMetadata:
+        found = self._chunks.get(row)
         if found is None:
-            found = self._alone[id(chunk)] = [chunk]
+            offsets, sizes = row
+            found = self._chunks[row] = ChunkStorageMetadata(self.size(offsets), self.size(sizes))
+        return found
+
+    def of(self, rows: list[_Row]) -> list[ChunkStorageMetadata]:
+        """A tensor's chunk list; that of a lone chunk shared by the tensors it is alone in."""
+        if len(rows) != 1:
+            return [self.chunk(row) for row in rows]
+        found = self._alone.get(rows[0])
+        if found is None:
+            found = self._alone[rows[0]] = [self.chunk(rows[0])]
         return found
 
 
@@ -208,17 +214,16 @@ class _Properties(dict[tuple[str, str, bool, str, bool], TensorProperties]):
 def _tensor(
     fqn: str, entry: TensorEntry, shared: _Chunks, properties: _Properties
 ) -> TensorStorageMetadata:
-    stored, made = entry.chunks, shared.make
-    rows = (
+    stored = entry.chunks
+    rows = list(
         stored.geometry()
         if isinstance(stored, ChunkList)
         else ((chunk.offsets, chunk.sizes) for chunk in stored)
     )
-    chunks = [shared.get(row) or made(*row) for row in rows]
     return TensorStorageMetadata(
         properties=properties.of(fqn, entry),
         size=shared.size(tuple(entry.size)),
-        chunks=shared.alone(chunks[0]) if len(chunks) == 1 else chunks,
+        chunks=shared.of(rows),
     )
 
 

@@ -539,13 +539,9 @@ def _set(column: str, row: int, value: int) -> Callable[[Columns], None]:
     return lambda columns: columns[column].__setitem__(row, value)
 
 
-def _text(text: bytes, **lengths: int) -> Callable[[Columns], None]:
-    def change(columns: Columns) -> None:
-        columns["text"] = [text]
-        for row, length in lengths.items():
-            columns["lengths"][int(row[1:])] = length
-
-    return change
+def _text(text: bytes) -> Callable[[Columns], None]:
+    """The names' text replaced, their lengths kept."""
+    return lambda columns: columns.__setitem__("text", [text])
 
 
 @pytest.mark.parametrize(
