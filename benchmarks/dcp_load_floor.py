@@ -292,30 +292,31 @@ def _blank(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: torch.full_like(t, -7.0) for name, t in state.items()}
 
 
-def _timed_load(
-    state: dict[str, torch.Tensor],
-    reader: StorageReader,
-    phases: dict[str, float] | None = None,
-    collected: dict[str, float] | None = None,
-) -> tuple[float, float]:
-    """A load's seconds and CPU seconds; with ``phases`` and ``collected``, its `TimedReader`
-    phases and the collector's seconds in each go there."""
+@dataclass(frozen=True)
+class Loaded:
+    """One load: seconds, CPU seconds, its `TimedReader` phases and the collector's seconds in
+    each (with ``rest`` and ``full``, its full passes)."""
+
+    seconds: float
+    cpu: float
+    phases: dict[str, float]
+    collected: dict[str, float]
+
+
+def _timed_load(state: dict[str, torch.Tensor], reader: StorageReader) -> Loaded:
     dest = _blank(state)
     gc.collect()
     with Collector() as collector:
         timed = TimedReader(reader, collector)
         before, started = cpu_times(), time.perf_counter()
-        dcp.load(dest, storage_reader=timed if phases is not None else reader, no_dist=True)
+        dcp.load(dest, storage_reader=timed, no_dist=True)
         seconds, cpu = time.perf_counter() - started, cpu_since(before)["cpu_s"]
-    if phases is not None:
-        phases.update(timed.phases, rest=seconds - sum(timed.phases.values()))
-    if collected is not None:
-        rest = collector.seconds - sum(timed.collected.values())
-        collected.update(timed.collected, rest=rest, full=collector.full)
     bad = next((name for name, t in state.items() if not torch.equal(dest[name], t)), None)
     if bad is not None:
         raise RuntimeError(f"{type(reader).__name__} loaded {bad} wrong")
-    return seconds, cpu
+    phases = {**timed.phases, "rest": seconds - sum(timed.phases.values())}
+    rest = collector.seconds - sum(timed.collected.values())
+    return Loaded(seconds, cpu, phases, {**timed.collected, "rest": rest, "full": collector.full})
 
 
 def _object_views(config: S3Config, bucket: str, prefix: str) -> dict[str, memoryview]:
@@ -393,37 +394,30 @@ def run_load_floor(
                 return seconds, cpu_since(before)["cpu_s"]
 
         for rep in range(repeat + 1):
-            floor_phases: dict[str, float] = {}
-            load_phases: dict[str, float] = {}
-            floor_gc: dict[str, float] = {}
-            load_gc: dict[str, float] = {}
-            floor, floor_cpu = _timed_load(state, MemoryReader(memory), floor_phases, floor_gc)
-            reader = S3Reader(bucket, "small", config=config)
-            load, load_cpu = _timed_load(state, reader, load_phases, load_gc)
+            floor = _timed_load(state, MemoryReader(memory))
+            load = _timed_load(state, S3Reader(bucket, "small", config=config))
             wire, wire_cpu = asyncio.run(transfer())
             other = ""
             if peer_reader is not None:
-                peer_load, peer_cpu = _timed_load(state, peer_reader())
-                other = f", s3torchconnector {peer_load:.2f} s ({peer_cpu:.2f} s CPU)"
+                theirs = _timed_load(state, peer_reader())
+                other = f", s3torchconnector {theirs.seconds:.2f} s ({theirs.cpu:.2f} s CPU)"
                 if rep:
-                    result.peer_s.append(peer_load)
-                    result.peer_cpu_s.append(peer_cpu)
+                    result.peer_s.append(theirs.seconds)
+                    result.peer_cpu_s.append(theirs.cpu)
             print(
-                f"  [{rep}/{repeat}] floor {floor:.2f} s ({floor_cpu:.2f} s CPU), s3ckpt "
-                f"{load:.2f} s ({load_cpu:.2f} s CPU), transfer {wire:.2f} s ({wire_cpu:.2f} s CPU)"
-                + other
-                + (" (warm-up)" if rep == 0 else ""),
+                f"  [{rep}/{repeat}] floor {floor.seconds:.2f} s ({floor.cpu:.2f} s CPU), s3ckpt "
+                f"{load.seconds:.2f} s ({load.cpu:.2f} s CPU), transfer {wire:.2f} s "
+                f"({wire_cpu:.2f} s CPU){other}" + (" (warm-up)" if rep == 0 else ""),
                 flush=True,
             )
             if rep:
-                result.floor_s.append(floor)
-                result.s3ckpt_s.append(load)
+                result.floor_s.append(floor.seconds)
+                result.s3ckpt_s.append(load.seconds)
                 result.transfer_s.append(wire)
-                result.floor_cpu_s.append(floor_cpu)
-                result.s3ckpt_cpu_s.append(load_cpu)
+                result.floor_cpu_s.append(floor.cpu)
+                result.s3ckpt_cpu_s.append(load.cpu)
                 result.transfer_cpu_s.append(wire_cpu)
-                result.phases.setdefault("floor", []).append(floor_phases)
-                result.phases.setdefault("s3ckpt", []).append(load_phases)
-                result.phases.setdefault("floor collector", []).append(floor_gc)
-                result.phases.setdefault("s3ckpt collector", []).append(load_gc)
+                for name, loaded in (("floor", floor), ("s3ckpt", load)):
+                    result.phases.setdefault(name, []).append(loaded.phases)
+                    result.phases.setdefault(f"{name} collector", []).append(loaded.collected)
     return result
