@@ -199,9 +199,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]
             else background / saved_gb,
             "in_run_all": [r["in_run_lost_s"] for r in results],
             # the first checkpoint's in-run loss beyond the median of the run's later ones
-            "first_extra_s": median(
-                [_first_extra(r) for r in results if _first_extra(r) is not None]
-            ),
+            "first_extra_s": median([_first_extra(r) for r in results]),
             "thread_cpu_s_per_gb": _per_thread(results, saved_gb),
             "slowed_s": median([r["slowed_s"] for r in results]),
             "clean_step_s": median([r["clean_step_s"] for r in results]),

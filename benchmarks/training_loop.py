@@ -281,8 +281,8 @@ def _timed(
                 storage_writer=writer,
                 async_checkpointer_type=kind,
             )
-        blocking += time.perf_counter() - began
         blocked.append(time.perf_counter() - began)
+        blocking += blocked[-1]
 
     def in_flight_now() -> bool:
         if raw is not None:
@@ -296,9 +296,10 @@ def _timed(
             pending.result()
         if raw is not None:
             raw.wait()
-        blocking += time.perf_counter() - began
+        waited = time.perf_counter() - began
+        blocking += waited
         if blocked:
-            blocked[-1] += time.perf_counter() - began
+            blocked[-1] += waited
 
     if mode == "thread-prepared":
         model_state, optim_state = get_state_dict(model, optimizer)
